@@ -1,0 +1,54 @@
+# The course's commands. Everything runs inside .venv, created on first use.
+#
+#   make lab      install if needed, open JupyterLab on notebooks/
+#   make test     install if needed, run the whole test suite (notebooks included)
+#
+# Variables (override on the command line, e.g. `make lab PORT=9999`):
+#   PYTHON       interpreter used to create .venv (Python >= 3.10)
+#   TORCH        the torch requirement installed first. On Linux, PyPI's torch==2.13.0
+#                is the CUDA build, so GPU users need nothing else; for another CUDA
+#                version use e.g. TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu126"
+#   TORCH_INDEX  extra pip arguments for the torch install
+#   PORT         JupyterLab port;  LAB_ARGS  extra `jupyter lab` arguments
+#   PYTEST_ARGS  extra pytest arguments (e.g. PYTEST_ARGS="tests/test_grid.py -x")
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+PORT ?= 8888
+LAB_ARGS ?=
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.lslm-installed
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
+.PHONY: setup lab test notebooks doctor clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "lslm needs Python >= 3.10; set PYTHON=python3.x")'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet "$(TORCH)" $(TORCH_INDEX)
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+lab: setup
+	$(BIN)/jupyter lab --notebook-dir=notebooks --port=$(PORT) $(ROOT_FLAG) $(LAB_ARGS)
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Re-execute every notebook in place (outputs committed, so readers see results first).
+notebooks: setup
+	for nb in notebooks/[0-9]*.ipynb; do \
+		$(BIN)/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 "$$nb" || exit 1; \
+	done
+
+doctor: setup
+	$(BIN)/lslm doctor
+
+clean:
+	rm -rf $(VENV) .pytest_cache

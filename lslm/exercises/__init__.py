@@ -1,0 +1,6 @@
+"""Exercises with automatic checks, one mechanism for every notebook (see ``core``)."""
+
+from lslm.exercises.core import Verdict, materialise, run_check
+from lslm.exercises.sharding import check_shard_range, reference_shard_range
+
+__all__ = ["Verdict", "check_shard_range", "materialise", "reference_shard_range", "run_check"]
