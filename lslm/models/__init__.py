@@ -1,0 +1,19 @@
+"""Models: a small readable GPT (:mod:`lslm.models.gpt`) and Hugging Face builders (:mod:`lslm.models.hf`)."""
+
+from typing import TYPE_CHECKING, Any
+
+from lslm.models.gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time these load lazily below
+    from lslm.models.hf import build_hf_gpt2, build_hf_llama
+
+__all__ = ["GPT", "GPTConfig", "Block", "CausalSelfAttention", "MLP", "build_hf_gpt2", "build_hf_llama"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing transformers' model code takes seconds, and most chapters only need GPT.
+    if name in ("build_hf_gpt2", "build_hf_llama"):
+        from lslm.models import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module 'lslm.models' has no attribute {name!r}")

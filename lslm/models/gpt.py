@@ -1,0 +1,208 @@
+"""A small, readable GPT-2-style decoder (pre-LayerNorm), the model every chapter parallelises.
+
+Module and parameter names are part of the course's contract: later chapters
+shard ``c_attn``/``c_fc`` by columns and ``c_proj`` by rows (Megatron), split
+``blocks`` into pipeline stages, and partition all parameters (ZeRO). Keep them.
+
+Shapes: ``B`` batch, ``T`` sequence length, ``C = n_embd``, ``V = vocab_size``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT"]
+
+
+@dataclass
+class GPTConfig:
+    """Hyper-parameters of :class:`GPT`; checked on construction.
+
+    ``tie_weights`` shares ``lm_head.weight`` with ``wte.weight`` (GPT-2 does); it is off
+    by default because tied weights complicate sharding and partitioning lessons.
+    """
+
+    vocab_size: int
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head} "
+                f"(each head gets n_embd // n_head dimensions); e.g. n_head="
+                f"{max(d for d in range(1, self.n_head + 1) if self.n_embd % d == 0)}"
+            )
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head, ``n_embd // n_head``."""
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> GPTConfig:
+        """2 layers, 4 heads, width 64, context 64, vocabulary 1024 (235,264 parameters).
+
+        Trains for a few steps in about a second on a laptop CPU: tests and notebooks.
+        Any field can be overridden, e.g. ``GPTConfig.tiny(n_layer=4)``.
+        """
+        fields: dict[str, Any] = dict(vocab_size=1024, block_size=64, n_layer=2, n_head=4, n_embd=64)
+        fields.update(overrides)
+        return cls(**fields)
+
+    @classmethod
+    def small(cls, **overrides: Any) -> GPTConfig:
+        """8 layers, 4 heads, width 128, context 128, vocabulary 1024 (1,864,960 parameters)."""
+        fields: dict[str, Any] = dict(vocab_size=1024, block_size=128, n_layer=8, n_head=4, n_embd=128)
+        fields.update(overrides)
+        return cls(**fields)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: one fused ``c_attn`` projection to q, k, v, then ``c_proj``.
+
+    The number of heads is read from ``c_attn``'s output width at run time, so the
+    same code runs on a tensor-parallel rank that holds only some of the heads.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.dropout = config.dropout
+        # Output layout [q | k | v], each n_embd wide (heads contiguous inside each).
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C) -> (B, T, C)``; position ``t`` attends to positions ``<= t`` only."""
+        B, T, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        n_head = q.shape[-1] // self.head_dim  # local heads (all of them without TP)
+        # (B, T, h*d) -> (B, h, T, d): attention runs per head.
+        q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: ``c_fc`` (C -> 4C), GELU, ``c_proj`` (4C -> C)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        # The tanh approximation is what GPT-2 (and Hugging Face's "gelu_new") uses.
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C) -> (B, T, C)``."""
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C) -> (B, T, C)``."""
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, ``n_layer`` blocks, final LayerNorm, linear head to logits.
+
+    Initialisation follows GPT-2: weights ~ N(0, 0.02), biases 0, and the projections
+    that write into the residual stream (``*.c_proj.weight``) scaled by
+    ``1/sqrt(2 * n_layer)`` so the residual's variance does not grow with depth. It
+    draws from the global torch RNG: ``torch.manual_seed(s)`` then ``GPT(cfg)`` always
+    gives the same weights.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        residual_std = 0.02 / math.sqrt(2 * config.n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=residual_std)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        # LayerNorm keeps PyTorch's default: weight 1, bias 0.
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``(B, T, V)`` for token ids ``idx`` ``(B, T)``, and the mean cross-entropy
+        against ``targets`` ``(B, T)`` if given (entries equal to -100 are ignored)."""
+        if idx.dim() != 2:
+            raise ValueError(f"idx must have shape (batch, time), got {tuple(idx.shape)}")
+        T = idx.shape[1]
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
+        # Positions are created on the input's device: the model never assumes CUDA.
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+            # float(): under bf16/fp16 autocast the softmax is still taken in fp32.
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return logits, loss
+
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        """Number of parameters (shared tensors counted once); ``non_embedding`` leaves out ``wpe``
+        and ``wte`` (the head too when tied), the convention of scaling-law papers."""
+        total = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            total -= self.wpe.weight.numel()
+            total -= self.wte.weight.numel()
+        return total

@@ -1,0 +1,175 @@
+"""The small GPT, the Hugging Face builders, and the serial baseline training run."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from lslm.models import GPT, GPTConfig, build_hf_gpt2, build_hf_llama
+from lslm.recipes.train import TrainConfig, main, train
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lslm_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache directory per test session (shared by the lslm test files), never ~/.cache."""
+    path = tmp_path_factory.getbasetemp() / "lslm_cache"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LSLM_CACHE_DIR", str(path))
+        yield path
+
+
+def _tiny(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig.tiny(**overrides))
+
+
+# --- our GPT ----------------------------------------------------------------------------
+
+
+def test_forward_shapes_and_initial_loss() -> None:
+    model = _tiny()
+    cfg = model.config
+    idx = torch.randint(0, cfg.vocab_size, (3, cfg.block_size), generator=torch.Generator().manual_seed(1))
+    logits, loss = model(idx)
+    assert logits.shape == (3, cfg.block_size, cfg.vocab_size) and loss is None
+    logits, loss = model(idx[:, :10], idx[:, 1:11])
+    assert logits.shape == (3, 10, cfg.vocab_size)
+    # Small init gives near-uniform predictions: loss close to ln(V).
+    assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.05
+
+
+def test_backward_reaches_every_parameter() -> None:
+    model = _tiny()
+    idx = torch.randint(0, 1024, (2, 16))
+    _, loss = model(idx, idx)
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
+
+
+def test_causal() -> None:
+    model = _tiny().eval()
+    idx = torch.randint(0, 1024, (1, 20), generator=torch.Generator().manual_seed(2))
+    changed = idx.clone()
+    changed[0, 12] = (changed[0, 12] + 1) % 1024
+    a, _ = model(idx)
+    b, _ = model(changed)
+    assert torch.equal(a[:, :12], b[:, :12])  # the past cannot see the future
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+def test_deterministic_init_and_names() -> None:
+    a, b = _tiny(seed=7), _tiny(seed=7)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    names = dict(a.named_parameters())
+    for name in ("wte.weight", "wpe.weight", "blocks.0.attn.c_attn.weight", "blocks.0.attn.c_proj.weight",
+                 "blocks.1.mlp.c_fc.weight", "blocks.1.mlp.c_proj.bias", "ln_f.weight", "lm_head.weight"):
+        assert name in names
+    assert names["blocks.0.attn.c_attn.weight"].shape == (3 * 64, 64)
+    assert names["blocks.0.mlp.c_fc.weight"].shape == (4 * 64, 64)
+    # Residual projections start smaller (GPT-2's 1/sqrt(2 n_layer) scaling).
+    assert names["blocks.0.attn.c_proj.weight"].std() < names["blocks.0.attn.c_attn.weight"].std()
+
+
+def test_tie_weights_and_parameter_count() -> None:
+    untied, tied = _tiny(), _tiny(tie_weights=True)
+    assert untied.lm_head.weight is not untied.wte.weight
+    assert tied.lm_head.weight is tied.wte.weight
+    assert untied.num_parameters() - tied.num_parameters() == 1024 * 64
+    assert untied.num_parameters() == 235_264
+    assert untied.num_parameters(non_embedding=True) == 235_264 - 1024 * 64 - 64 * 64
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(n_embd=65), dict(n_head=0), dict(n_layer=0), dict(vocab_size=-1), dict(block_size=0),
+     dict(dropout=1.0), dict(dropout=-0.1), dict(n_embd=64.0)],
+)
+def test_config_validation(overrides: dict) -> None:
+    with pytest.raises(ValueError):
+        GPTConfig.tiny(**overrides)
+
+
+def test_sequence_too_long() -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        _tiny()(torch.zeros(1, 65, dtype=torch.long))
+
+
+# --- Hugging Face builders --------------------------------------------------------------
+
+
+def test_hf_gpt2() -> None:
+    model = build_hf_gpt2(vocab_size=1024, n_positions=64, n_layer=2, n_head=4, n_embd=64, seed=0)
+    again = build_hf_gpt2(vocab_size=1024, n_positions=64, n_layer=2, n_head=4, n_embd=64, seed=0)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters(), strict=True))
+    # Same architecture as our GPT, so the same number of parameters.
+    assert sum(p.numel() for p in model.parameters()) == _tiny().num_parameters()
+    x = torch.randint(0, 1024, (2, 16))
+    out = model(input_ids=x, labels=x)
+    assert out.logits.shape == (2, 16, 1024)
+    assert abs(out.loss.item() - math.log(1024)) < 0.1
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_hf_llama() -> None:
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    model = build_hf_llama(1024, 64, 2, 4, 64, 176, num_key_value_heads=2, seed=0)
+    assert torch.equal(torch.rand(1), before)  # the caller's RNG stream is untouched
+    assert model.config.num_key_value_heads == 2
+    x = torch.randint(0, 1024, (2, 16))
+    out = model(input_ids=x, labels=x)
+    assert out.logits.shape == (2, 16, 1024)
+    assert abs(out.loss.item() - math.log(1024)) < 0.1
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_hf_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="divisible"):
+        build_hf_gpt2(1024, 64, 2, 3, 64)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        build_hf_llama(1024, 64, 2, 4, 64, 176, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="attn_implementation"):
+        build_hf_gpt2(1024, 64, 2, 4, 64, attn_implementation="flash")
+
+
+# --- serial baseline --------------------------------------------------------------------
+
+
+def test_training_lowers_loss_and_is_deterministic(tmp_path: Path) -> None:
+    cfg = TrainConfig(steps=20, out=str(tmp_path / "run.json"))
+    first = train(cfg)
+    losses = first["losses"]
+    assert len(losses) == len(first["step_times_s"]) == 20
+    assert abs(losses[0] - math.log(1024)) < 0.05
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.7
+    assert first["tokens_per_step"] == 8 * 64 and first["num_parameters"] == 235_264
+    assert json.loads((tmp_path / "run.json").read_text())["losses"] == losses
+    second = train(TrainConfig(steps=20))
+    assert second["losses"] == losses  # bitwise: same seed, same data, same losses
+
+
+def test_train_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "runs" / "cli.json"
+    result = main(["--steps", "3", "--n-layer", "1", "--batch-size", "4", "--out", str(out)])
+    assert len(result["losses"]) == 3 and out.is_file()
+    assert result["config"]["n_layer"] == 1
+    assert "loss" in capsys.readouterr().out
+
+
+def test_train_config_validation() -> None:
+    with pytest.raises(ValueError, match="steps"):
+        TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="n_head"):
+        TrainConfig(n_embd=30, n_head=4)
+    with pytest.raises(SystemExit):
+        main(["--lr", "-1"])
