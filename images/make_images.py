@@ -43,6 +43,56 @@ def torchrun_ranks(path: Path) -> None:
     plt.close(fig)
 
 
+COLORS = ["#8ecae6", "#ffb703", "#90be6d", "#f28482"]
+
+
+def _rank_column(ax, x, cells, title):
+    """Draw one column of 4 ranks; each rank holds a list of (label, color) cells."""
+    ax.text(x + 0.9, 4.35, title, ha="center", fontsize=8, style="italic")
+    for r, row in enumerate(cells):
+        y = 3.3 - r * 1.0
+        ax.text(x - 0.15, y + 0.35, f"r{r}", ha="right", va="center", fontsize=8)
+        width = 1.8 / max(1, len(row))
+        for i, (label, color) in enumerate(row):
+            ax.add_patch(FancyBboxPatch((x + i * width, y), width * 0.92, 0.7, boxstyle="round,pad=0.01",
+                                        fc=color, ec="black", lw=0.6))
+            ax.text(x + i * width + width * 0.46, y + 0.35, label, ha="center", va="center", fontsize=7)
+
+
+def collectives_overview(path: Path) -> None:
+    """Before/after contents of 4 ranks for each of the eight collectives."""
+    n = 4
+    c = COLORS
+    whole = [[(f"x{r}", c[r])] for r in range(n)]
+    chunks = [[(f"x{r}{j}", c[r]) for j in range(n)] for r in range(n)]
+    empty = [[("", "white")] for _ in range(n)]
+    total = ("Σx", "#cdb4db")
+    panels = {
+        "broadcast (root r0)": (whole[:1] + empty[1:], [[("x0", c[0])]] * n),
+        "scatter (root r0)": ([[(f"x0{j}", c[0]) for j in range(n)]] + empty[1:], [[(f"x0{r}", c[0])] for r in range(n)]),
+        "gather (root r0)": (whole, [[(f"x{j}", c[j]) for j in range(n)]] + empty[1:]),
+        "reduce (root r0)": (whole, [[total]] + empty[1:]),
+        "all-gather": (whole, [[(f"x{j}", c[j]) for j in range(n)]] * n),
+        "reduce-scatter": (chunks, [[(f"Σx·{r}", "#cdb4db")] for r in range(n)]),
+        "all-reduce": (whole, [[total]] * n),
+        "all-to-all": (chunks, [[(f"x{j}{r}", c[j]) for j in range(n)] for r in range(n)]),
+    }
+    fig, axes = plt.subplots(2, 4, figsize=(13, 5.4), dpi=100)
+    for ax, (name, (before, after)) in zip(axes.flat, panels.items()):
+        ax.set_xlim(-0.5, 4.6)
+        ax.set_ylim(-0.4, 4.7)
+        ax.axis("off")
+        _rank_column(ax, 0.1, before, "before")
+        _rank_column(ax, 2.6, after, "after")
+        ax.annotate("", xy=(2.5, 2.0), xytext=(2.0, 2.0), arrowprops={"arrowstyle": "->", "lw": 1.2})
+        ax.set_title(name, fontsize=10, weight="bold")
+    fig.suptitle("The eight collectives on 4 ranks (xij: chunk j of rank i's data; Σx: sum over ranks; Σx·j: its chunk j)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 if __name__ == "__main__":
     torchrun_ranks(HERE / "torchrun_ranks.png")
-    print("wrote", HERE / "torchrun_ranks.png")
+    collectives_overview(HERE / "collectives.png")
+    print("wrote", HERE / "torchrun_ranks.png", HERE / "collectives.png")

@@ -88,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     p_doc = sub.add_parser("doctor", help="check versions, devices, backends and run a 2-process smoke job")
     p_doc.add_argument("--nproc", type=int, default=2)
     p_doc.add_argument("--json", action="store_true", help="print the machine report as JSON and exit")
+    p_bench = sub.add_parser("bench", help="run a side-by-side benchmark (prints a table, writes JSON/PNG)")
+    p_bench.add_argument("name", choices=("launch",))
+    p_bench.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
+    p_bench.add_argument("--repeats", type=int, default=5)
+    p_bench.add_argument("--out", default=None, help="folder for JSON/PNG (default: bench/results)")
     p_launch = sub.add_parser("launch", help="run 'package.module:function' on N processes via torchrun")
     p_launch.add_argument("target")
     p_launch.add_argument("--nproc", type=int, default=2)
@@ -101,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(doctor_report(), indent=2))
             return 0
         return 0 if doctor(ns.nproc) else 1
+    if ns.command == "bench":
+        out_dir = ns.out or "bench/results"
+        if ns.name == "launch":
+            from lslm.bench import launch_overhead
+
+            launch_overhead.main(f"{out_dir}/launch_overhead.json", tuple(ns.nprocs), ns.repeats)
+        return 0
     if ns.command == "launch":
         from lslm.dist.launch import LaunchError, launch
 

@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks: each prints a table and writes JSON (+ PNG where there is a plot)."""
