@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     p_doc.add_argument("--nproc", type=int, default=2)
     p_doc.add_argument("--json", action="store_true", help="print the machine report as JSON and exit")
     p_bench = sub.add_parser("bench", help="run a side-by-side benchmark (prints a table, writes JSON/PNG)")
-    p_bench.add_argument("name", choices=("launch",))
+    p_bench.add_argument("name", choices=("launch", "collectives"))
+    p_bench.add_argument("--sizes-kib", type=int, nargs="+", default=None,
+                         help="collectives: message sizes in KiB (default 4 KiB ... 64 MiB)")
     p_bench.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
     p_bench.add_argument("--repeats", type=int, default=5)
     p_bench.add_argument("--out", default=None, help="folder for JSON/PNG (default: bench/results)")
@@ -112,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
             from lslm.bench import launch_overhead
 
             launch_overhead.main(f"{out_dir}/launch_overhead.json", tuple(ns.nprocs), ns.repeats)
+        elif ns.name == "collectives":
+            from lslm.bench import collectives
+
+            sizes = tuple(k * 1024 for k in ns.sizes_kib) if ns.sizes_kib else collectives.DEFAULT_SIZES
+            collectives.run(tuple(ns.nprocs), sizes, ns.repeats, out_dir=out_dir)
         return 0
     if ns.command == "launch":
         from lslm.dist.launch import LaunchError, launch

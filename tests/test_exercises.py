@@ -53,3 +53,45 @@ def test_wrong_solution_is_rejected_with_rank_and_input(capsys) -> None:
 def test_crashing_solution_is_a_verdict_not_an_error() -> None:
     verdict = check_shard_range(shard_range_crashes, world_sizes=(2,))
     assert not verdict.passed and "ZeroDivisionError" in verdict.message
+
+
+def ring_all_gather(output, input, rank, world_size):
+    import torch.distributed as dist
+
+    n, m = world_size, input.numel()
+    output[rank * m:(rank + 1) * m] = input
+    for s in range(n - 1):
+        send_block, recv_block = (rank - s) % n, (rank - s - 1) % n
+        reqs = [dist.isend(output[send_block * m:(send_block + 1) * m], (rank + 1) % n),
+                dist.irecv(output[recv_block * m:(recv_block + 1) * m], (rank - 1) % n)]
+        for req in reqs:
+            req.wait()
+
+
+def ring_all_gather_wrong_block(output, input, rank, world_size):
+    import torch.distributed as dist
+
+    n, m = world_size, input.numel()
+    output[rank * m:(rank + 1) * m] = input
+    for s in range(n - 1):
+        send_block, recv_block = (rank - s) % n, (rank + s + 1) % n  # wrong: the block arriving is rank-s-1
+        reqs = [dist.isend(output[send_block * m:(send_block + 1) * m], (rank + 1) % n),
+                dist.irecv(output[recv_block * m:(recv_block + 1) * m], (rank - 1) % n)]
+        for req in reqs:
+            req.wait()
+
+
+def ring_all_gather_cheating(output, input, rank, world_size):
+    import torch.distributed as dist
+
+    dist.all_gather_into_tensor(output, input)
+
+
+def test_ring_all_gather_checker_accepts_and_rejects() -> None:
+    from lslm.exercises import check_ring_all_gather
+
+    assert check_ring_all_gather(ring_all_gather).passed
+    wrong = check_ring_all_gather(ring_all_gather_wrong_block, world_sizes=(3,))
+    assert not wrong.passed and "expected" in wrong.message and "block" in wrong.message
+    cheat = check_ring_all_gather(ring_all_gather_cheating, world_sizes=(2,))
+    assert not cheat.passed and "is off during this exercise" in cheat.message

@@ -1,0 +1,96 @@
+"""Workers for notebook 02: run every lslm collective next to torch.distributed's and count bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import lslm.collectives as C
+from lslm.dist import init_distributed
+
+
+def _sent_received(comm: Any) -> tuple[int, int]:
+    recs = [r for r in comm.ledger.records if r.tag != C.CHECK_TAG]
+    return (sum(r.nbytes for r in recs if r.op == "send"), sum(r.nbytes for r in recs if r.op == "recv"))
+
+
+def compare_with_torch(numel: int = 1000, root: int = 0) -> dict[str, Any]:
+    """Each lslm algorithm and torch's collective on the same integer-valued fp32 data.
+
+    Returns, per algorithm: whether this rank's result equals torch's bitwise, and the
+    bytes this rank sent/received (ledger, the agreement check excluded) next to the
+    formula of :data:`lslm.collectives.ALGORITHMS`. ``numel`` is N for all-reduce,
+    broadcast, reduce, reduce-scatter and all-to-all, and one rank's block M for
+    all-gather, scatter and gather.
+    """
+    with init_distributed() as ctx:
+        n, r, comm = ctx.world_size, ctx.rank, ctx.comm
+        gen = torch.Generator().manual_seed(r)
+        x = torch.randint(-8, 8, (numel,), generator=gen).float()  # small integers: every sum is exact
+        rows = []
+        for name, algo in C.ALGORITHMS.items():
+            comm.ledger.reset()
+            kind = algo.kind
+            if kind == "all_reduce":
+                got, want = x.clone(), x.clone()
+                algo.fn(got, comm=comm)
+                dist.all_reduce(want)
+            elif kind == "broadcast":
+                got, want = x.clone(), x.clone()
+                algo.fn(got, src=root, comm=comm)
+                dist.broadcast(want, src=root)
+            elif kind == "reduce":
+                got, want = x.clone(), x.clone()
+                algo.fn(got, dst=root, comm=comm)
+                dist.reduce(want, dst=root)
+                if r != root:  # only the root's result is defined
+                    got, want = got[:0], want[:0]
+            elif kind == "all_gather":
+                got, want = torch.empty(n * numel), torch.empty(n * numel)
+                algo.fn(got, x, comm=comm)
+                dist.all_gather(list(want.chunk(n)), x)
+            elif kind == "reduce_scatter":
+                size = numel // n
+                got, want = torch.empty(size), torch.empty(size)
+                algo.fn(got, x[: size * n].contiguous(), comm=comm)
+                full = x[: size * n].clone()
+                dist.all_reduce(full)
+                want = full[r * size:(r + 1) * size]
+            elif kind == "all_to_all":
+                size = numel // n * n
+                inp = x[:size].contiguous()
+                got, want = torch.empty(size), torch.empty(size)
+                algo.fn(got, inp, comm=comm)
+                dist.all_to_all_single(want, inp)
+            elif kind == "scatter":
+                parts = [x + 100 * j for j in range(n)] if r == root else None
+                got, want = torch.empty(numel), torch.empty(numel)
+                algo.fn(got, parts, src=root, comm=comm)
+                comm.ledger.enabled = False
+                dist.scatter(want, parts, src=root)
+                comm.ledger.enabled = True
+            elif kind == "gather":
+                got_list = [torch.empty(numel) for _ in range(n)] if r == root else None
+                want_list = [torch.empty(numel) for _ in range(n)] if r == root else None
+                algo.fn(x, got_list, dst=root, comm=comm)
+                dist.gather(x, want_list, dst=root)
+                got = torch.cat(got_list) if got_list else x[:0]
+                want = torch.cat(want_list) if want_list else x[:0]
+            else:  # pragma: no cover - the registry only holds the kinds above
+                raise AssertionError(kind)
+            sent, received = _sent_received(comm)
+            m = numel // n * n if kind in ("reduce_scatter", "all_to_all") else numel
+            rows.append({"algorithm": name, "kind": kind, "equal": bool(torch.equal(got, want)), "sent": sent,
+                         "received": received, "sent_formula": algo.sent(n, r, m, 4, root),
+                         "received_formula": algo.received(n, r, m, 4, root)})
+        return {"rank": r, "rows": rows}
+
+
+def ring_all_reduce_result(numel: int = 10) -> dict[str, Any]:
+    """Ring all-reduce of ``arange(numel) + 100 * rank`` (to compare with the in-memory simulation)."""
+    with init_distributed() as ctx:
+        x = torch.arange(numel, dtype=torch.float32) + 100 * ctx.rank
+        C.all_reduce_ring(x, comm=ctx.comm)
+        return {"rank": ctx.rank, "result": x.tolist()}
