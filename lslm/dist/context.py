@@ -7,6 +7,7 @@ can coexist in a test and a reader can see exactly which group each collective u
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -37,18 +38,25 @@ class ParallelContext:
     pp_group: Any = None
     world_group: Any = None
     comm: Comm = field(default_factory=Comm)
+    timeout_s: float | None = None
 
     @classmethod
     def create(cls, grid: RankGrid, rank: int, local_rank: int, node_rank: int, device: torch.device,
-               backend: str) -> "ParallelContext":
-        """Create every tp, dp and pp group (collectively: all ranks, same order) and keep ours."""
+               backend: str, timeout_s: float | None = None) -> "ParallelContext":
+        """Create every tp, dp and pp group (collectively: all ranks, same order) and keep ours.
+
+        ``timeout_s`` is passed to every subgroup explicitly, so a hang inside a tp,
+        dp or pp group ends within the same finite timeout as the world group
+        whatever torch's defaulting rule for ``new_group`` is in a given release.
+        """
         ctx = cls(grid=grid, rank=rank, local_rank=local_rank, node_rank=node_rank, device=device, backend=backend,
-                  world_group=dist.group.WORLD)
+                  world_group=dist.group.WORLD, timeout_s=timeout_s)
+        group_timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
         # new_group is collective over the whole world: every rank must create every
         # group, in the same order, even the ones it is not in.
         for kind, groups in (("tp", grid.tp_groups()), ("dp", grid.dp_groups()), ("pp", grid.pp_groups())):
             for ranks in groups:
-                pg = dist.new_group(ranks)
+                pg = dist.new_group(ranks, timeout=group_timeout)
                 if rank in ranks:
                     setattr(ctx, f"{kind}_group", pg)
         return ctx

@@ -139,7 +139,7 @@ def init_distributed(tp: int = 1, pp: int = 1, dp: int | None = None, *, backend
                             timeout=timedelta(seconds=timeout))
     seed_everything(seed)
     ctx = ParallelContext.create(grid, rank=env.rank, local_rank=env.local_rank, node_rank=env.node_rank,
-                                 device=dev, backend=be)
+                                 device=dev, backend=be, timeout_s=timeout)
     atexit.register(_destroy_quietly)
     return ctx
 

@@ -1,0 +1,102 @@
+"""The deadlock lesson: a ring of blocking sends hangs; ordering the sends (or not blocking) fixes it.
+
+Every rank wants to pass a tensor to its right neighbour. If every rank calls a
+blocking ``send`` first and ``recv`` second, every rank sits in ``send`` waiting
+for a neighbour that is itself sitting in ``send``: a cycle of waits. One might
+expect small messages to slip through a socket buffer; on gloo they do not - its
+TCP transport only writes a message once the receiver has posted the matching
+receive (a rendezvous), so the ring deadlocks even for a single element. Measured
+with torch 2.13 on CPU: 1, 256 and 262,144 float32 elements (4 B to 1 MiB) all
+hang until the process group's timeout.
+
+Two fixes, both in :func:`ordered_ring`:
+
+* ``mode="even_odd"``: even ranks send then receive, odd ranks receive then send.
+  Every sender's right neighbour is receiving first (or is a chain away from one),
+  so the cycle is broken - this works for odd n too.
+* ``mode="isend"``: post the receive and the send without blocking, then wait for
+  both (what :func:`~lslm.collectives.p2p.exchange` does for every collective).
+
+Both workers are launchable (``lslm.launch("lslm.collectives.deadlock:blocking_ring",
+nproc=2, numel=1, timeout_s=3)``) and return a JSON-ready dict per rank instead of
+raising, so a notebook can show the timeout as a result.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lslm.collectives.p2p import exchange, group_view
+from lslm.dist.ledger import Comm
+from lslm.dist.runtime import init_distributed
+
+
+def blocking_ring_exchange(comm: Comm, numel: int, group: Any = None) -> torch.Tensor:
+    """Every rank: blocking send to the right, then blocking receive from the left. Deadlocks on gloo."""
+    gv = group_view(group)
+    r = gv.rank
+    out, inp = torch.full((numel,), float(gv.glob(r))), torch.empty(numel)
+    comm.send(out, gv.glob(r + 1), group=group, tag="blocking_ring")
+    comm.recv(inp, gv.glob(r - 1), group=group, tag="blocking_ring")  # never reached: the send above waits forever
+    return inp
+
+
+def ordered_ring_exchange(comm: Comm, numel: int, group: Any = None, mode: str = "even_odd") -> torch.Tensor:
+    """Pass a tensor (this rank's global rank, repeated) to the right without deadlock; return the left's tensor.
+
+    ``mode="even_odd"``: even ranks send first, odd ranks receive first (blocking
+    calls). ``mode="isend"``: post receive and send together, then wait for both.
+    """
+    if mode not in ("even_odd", "isend"):
+        raise ValueError(f"mode must be 'even_odd' or 'isend', got {mode!r}")
+    gv = group_view(group)
+    r = gv.rank
+    out, inp = torch.full((numel,), float(gv.glob(r))), torch.empty(numel)
+    right, left = gv.glob(r + 1), gv.glob(r - 1)
+    if mode == "isend":
+        exchange(comm, gv, out, r + 1, inp, r - 1, "ordered_ring")
+    elif r % 2 == 0:
+        comm.send(out, right, group=group, tag="ordered_ring")
+        comm.recv(inp, left, group=group, tag="ordered_ring")
+    else:
+        comm.recv(inp, left, group=group, tag="ordered_ring")
+        comm.send(out, right, group=group, tag="ordered_ring")
+    return inp
+
+
+def blocking_ring(numel: int = 1, timeout_s: float = 5.0) -> dict[str, Any]:
+    """Worker: run :func:`blocking_ring_exchange` with a ``timeout_s`` process group; report how it ended.
+
+    Returns ``{"rank", "world_size", "numel", "completed", "seconds", "error"}``:
+    ``completed`` is False and ``seconds`` is about ``timeout_s`` when the ring deadlocked.
+    """
+    ctx = init_distributed(timeout_s=timeout_s)
+    start = time.perf_counter()
+    try:
+        blocking_ring_exchange(ctx.comm, numel)
+        completed, error = True, ""
+    except RuntimeError as exc:
+        completed, error = False, str(exc).splitlines()[0][:300]
+    result = {"rank": ctx.rank, "world_size": ctx.world_size, "numel": numel, "completed": completed,
+              "seconds": time.perf_counter() - start, "error": error}
+    # No barrier before tearing down: the timed-out sends leave the group unusable.
+    dist.destroy_process_group()
+    return result
+
+
+def ordered_ring(numel: int = 1, timeout_s: float = 5.0, mode: str = "even_odd") -> dict[str, Any]:
+    """Worker: run :func:`ordered_ring_exchange`; report that it completed and got the left neighbour's data.
+
+    Returns ``{"rank", "world_size", "numel", "mode", "completed", "seconds", "correct"}``.
+    """
+    with init_distributed(timeout_s=timeout_s) as ctx:
+        start = time.perf_counter()
+        got = ordered_ring_exchange(ctx.comm, numel, mode=mode)
+        seconds = time.perf_counter() - start
+        left = (ctx.rank - 1) % ctx.world_size
+        return {"rank": ctx.rank, "world_size": ctx.world_size, "numel": numel, "mode": mode, "completed": True,
+                "seconds": seconds, "correct": bool(torch.all(got == left))}

@@ -1,0 +1,180 @@
+"""Ring all-gather and ring reduce-scatter: n-1 steps, each rank talks only to its neighbours.
+
+Rank r sends to r+1 and receives from r-1 (mod n) in every step, posting the
+receive and the send together (:func:`~lslm.collectives.p2p.exchange`). All ranks
+send at once, so all n links are busy in every step, and each rank moves only
+(n-1)/n of the data: the bandwidth-optimal pattern behind ring all-reduce.
+A ring of *blocking* sends (everybody sends first) deadlocks instead: see
+:mod:`lslm.collectives.deadlock`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lslm.collectives.barrier import agree
+from lslm.collectives.p2p import (GroupView, as_flat, check_op, chunk_bounds, combine_, exchange, group_view, post,
+                                  resolve, wait_all, write_back)
+from lslm.dist.ledger import Comm
+
+
+def _piece(flat: torch.Tensor, bounds: list[tuple[int, int]], i: int) -> torch.Tensor:
+    start, stop = bounds[i % len(bounds)]
+    return flat[start:stop]
+
+
+def _pieces(bounds: list[tuple[int, int]], i: int, piece: int) -> list[tuple[int, int]]:
+    """Chunk ``i`` (mod n) cut into consecutive pieces of at most ``piece`` elements.
+
+    Sender and receiver cut the same chunk the same way, so piece j of one side's send
+    always meets piece j of the other side's receive.
+    """
+    start, stop = bounds[i % len(bounds)]
+    return [(a, min(a + piece, stop)) for a in range(start, stop, max(piece, 1))]
+
+
+def ring_all_gather_flat(comm: Comm, gv: GroupView, flat: torch.Tensor, bounds: list[tuple[int, int]], name: str,
+                         piece: int | None = None) -> None:
+    """In place on ``flat``: chunk r of rank r ends up on every rank (no checks).
+
+    Step s: send chunk r-s (received in the step before, or our own at s=0) to the
+    right, receive chunk r-s-1 from the left straight into its place - no buffer.
+    With ``piece``, each chunk travels as several messages of at most ``piece`` elements.
+    """
+    n, r = gv.size, gv.rank
+    if piece is None:
+        for s in range(n - 1):
+            exchange(comm, gv, _piece(flat, bounds, r - s), r + 1, _piece(flat, bounds, r - s - 1), r - 1, name)
+        return
+    for s in range(n - 1):
+        pending = [(post(comm, gv, "recv", flat[a:b], r - 1, name), r - 1, "recv")
+                   for a, b in _pieces(bounds, r - s - 1, piece)]
+        pending += [(post(comm, gv, "send", flat[a:b], r + 1, name), r + 1, "send")
+                    for a, b in _pieces(bounds, r - s, piece)]
+        wait_all(pending, gv, name)
+
+
+def ring_reduce_scatter_flat(comm: Comm, gv: GroupView, flat: torch.Tensor, bounds: list[tuple[int, int]], op: str,
+                             name: str, piece: int | None = None) -> None:
+    """In place on ``flat``: afterwards chunk r of rank r holds the reduction over all ranks (no checks).
+
+    Step s: send the partial of chunk r-s-1 to the right, receive the partial of
+    chunk r-s-2 from the left and fold it into our own copy of that chunk - which we
+    then send in step s+1. After n-1 steps the chunk received last, r-n = r, has
+    passed through every rank. Other chunks of ``flat`` are left holding partials.
+
+    Pipelining: each chunk travels as pieces of at most ``piece`` elements (default:
+    the whole chunk). All sends of a step are posted at once; receives go into two
+    piece-sized buffers used in turn, so while piece j is being folded in, piece j+1
+    is already arriving - the reduction hides behind the transfer, and the buffers
+    stay small and warm in cache (a fresh chunk-sized buffer costs page faults on
+    every call). No deadlock: every rank posts all its sends before waiting on any
+    receive, and a rank re-posts receive j+2 after folding piece j, which only
+    needs its own progress; gloo matches the messages of a pair in posting order.
+    """
+    n, r = gv.size, gv.rank
+    if n == 1 or flat.numel() == 0:
+        return
+    biggest = max(b - a for a, b in bounds)
+    piece = biggest if piece is None else max(1, min(piece, biggest))
+    # Two buffers only when some chunk has several pieces (one is enough otherwise).
+    bufs = [torch.empty(piece, dtype=flat.dtype, device=flat.device) for _ in range(1 if piece == biggest else 2)]
+    for s in range(n - 1):
+        incoming = _pieces(bounds, r - s - 2, piece)
+
+        def post_recv(j: int) -> Any:
+            a, b = incoming[j]
+            return post(comm, gv, "recv", bufs[j % len(bufs)][: b - a], r - 1, name)
+
+        recvs = {j: post_recv(j) for j in range(min(2, len(incoming)))}
+        sends = [(post(comm, gv, "send", flat[a:b], r + 1, name), r + 1, "send")
+                 for a, b in _pieces(bounds, r - s - 1, piece)]
+        for j, (a, b) in enumerate(incoming):
+            wait_all([(recvs.pop(j), r - 1, "recv")], gv, name)
+            combine_(flat[a:b], bufs[j % len(bufs)][: b - a], op)
+            if j + 2 < len(incoming):
+                recvs[j + 2] = post_recv(j + 2)
+        wait_all(sends, gv, name)
+
+
+def all_gather_ring(output: torch.Tensor, input: torch.Tensor, comm: Comm | None = None, group: Any = None, *,
+                    check: bool = True) -> torch.Tensor:
+    """Gather every rank's ``input`` into ``output`` (n x input.numel() elements, rank order); returns ``output``.
+
+    ``output`` is written in place on every rank; ``input`` is only read (it may be
+    ``output``'s own block, as in torch's in-place all-gather). Rank r first copies
+    its input to block r, then in step s = 0..n-2 sends block r-s to the right while
+    receiving block r-s-1 from the left (receive and send posted together, so the
+    ring cannot deadlock). Cost: (n-1)(alpha + M beta) for M-byte inputs. Bytes:
+    every rank sends and receives (n-1)·M.
+    """
+    comm, gv = resolve(comm), group_view(group)
+    n = gv.size
+    if output.numel() != n * input.numel():
+        raise ValueError(f"all_gather_ring: output has {output.numel()} elements, expected group size x "
+                         f"input.numel() = {n} x {input.numel()} = {n * input.numel()}")
+    if output.dtype != input.dtype or output.device != input.device:
+        raise ValueError(f"all_gather_ring: output ({output.dtype}, {output.device}) and input "
+                         f"({input.dtype}, {input.device}) must have the same dtype and device")
+    m = input.numel()
+    if check:
+        agree(comm, gv, "all_gather_ring", m, input.dtype)
+    flat = as_flat(output)
+    bounds = [(i * m, (i + 1) * m) for i in range(n)]
+    _piece(flat, bounds, gv.rank).copy_(input.reshape(-1))
+    ring_all_gather_flat(comm, gv, flat, bounds, "all_gather_ring")
+    write_back(output, flat)
+    return output
+
+
+def reduce_scatter_ring(output: torch.Tensor, input: torch.Tensor, op: str = "sum", comm: Comm | None = None,
+                        group: Any = None, *, check: bool = True) -> torch.Tensor:
+    """Reduce the flat ``input`` (N elements) over ``group``; ``output`` gets chunk ``rank``; returns ``output``.
+
+    Chunks follow the array_split rule (the first N % n chunks are one element
+    longer), so N need not divide by n: ``output.numel()`` must equal this rank's
+    chunk size. ``input`` is not modified (partials live in two chunk-sized buffers).
+
+    Step s = 0..n-2: send the partial of chunk r-s-1 to the right, receive the partial
+    of chunk r-s-2 from the left and fold our own input chunk into it; the last step
+    receives chunk r, folds it and copies it into ``output`` (which may therefore be a
+    view of ``input``'s chunk r). Receive and send are posted
+    together, so the ring cannot deadlock. Two buffers alternate because the partial
+    received in step s is sent in step s+1 while step s+1's receive arrives.
+    Cost: (n-1)(alpha + (N/n) beta + (N/n) gamma). Bytes: rank r sends every chunk
+    but its own, N - c_r, and receives every chunk but chunk r-1, N - c_(r-1).
+    """
+    comm, gv = resolve(comm), group_view(group)
+    check_op(op)
+    n, r = gv.size, gv.rank
+    bounds = chunk_bounds(input.numel(), n)
+    mine = bounds[r][1] - bounds[r][0]
+    if output.numel() != mine:
+        raise ValueError(f"reduce_scatter_ring: output has {output.numel()} elements, but chunk {r} of "
+                         f"{input.numel()} elements over {n} ranks has {mine} (the first N % n chunks get one extra)")
+    if output.dtype != input.dtype or output.device != input.device:
+        raise ValueError(f"reduce_scatter_ring: output ({output.dtype}, {output.device}) and input "
+                         f"({input.dtype}, {input.device}) must have the same dtype and device")
+    if check:
+        agree(comm, gv, "reduce_scatter_ring", input.numel(), input.dtype, op=op)
+    src, out = as_flat(input), as_flat(output)
+    if n == 1:
+        out.copy_(src)
+    else:
+        size = max(b - a for a, b in bounds)
+        bufs = (torch.empty(size, dtype=src.dtype, device=src.device),
+                torch.empty(size, dtype=src.dtype, device=src.device))
+        sending = _piece(src, bounds, r - 1)  # step 0 sends our raw input chunk r-1
+        for s in range(n - 1):
+            chunk = (r - s - 2) % n
+            incoming = bufs[s % 2][: bounds[chunk][1] - bounds[chunk][0]]
+            exchange(comm, gv, sending, r + 1, incoming, r - 1, "reduce_scatter_ring")
+            combine_(incoming, _piece(src, bounds, chunk), op)
+            sending = incoming
+        # The last partial goes through a buffer too (one chunk-sized copy), so that
+        # ``output`` may alias ``input``'s chunk r, as torch allows.
+        out.copy_(sending)
+    write_back(output, out)
+    return output
