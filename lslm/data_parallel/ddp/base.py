@@ -1,0 +1,224 @@
+"""What every DDP variant shares: the wrapper, the start-up broadcast, no_sync, unused parameters.
+
+Usage, identical for every variant (``make_ddp`` builds any of them)::
+
+    ddp = make_ddp(model, ctx, variant="bucketed")   # rank 0's weights copied to every rank
+    loss = ddp(x, y)[1]                               # forward: the wrapped model's
+    loss.backward()
+    ddp.finish_grad_sync()                            # every .grad is now the mean over ranks
+    optimizer.step()
+
+**Gradient accumulation.** Run the forward *and* backward of every micro-batch but
+the last inside ``with ddp.no_sync():``; gradients then only accumulate locally in
+``.grad``, and the last micro-batch's backward + ``finish_grad_sync()`` averages the
+sum once. As in torch's DDP, the decision is taken at the forward: a backward
+synchronises iff its forward ran through ``ddp(...)`` outside ``no_sync()``, and
+``finish_grad_sync()`` after a ``no_sync()`` forward does nothing.
+
+**Parameters without a gradient.** Every rank must all-reduce the same tensors in
+the same order, so a parameter that took no part in the loss cannot be skipped
+silently. By default ``finish_grad_sync()`` raises ``RuntimeError`` naming them. With
+``find_unused_parameters=True`` a missing gradient counts as zero on that rank, so
+the ranks still agree; one extra all-reduce of a used-flag per parameter (tag
+``"ddp-unused"``, 4 bytes each) then tells which parameters *no* rank used, and
+those keep ``.grad = None`` as in torch's DDP (so the optimizer skips them).
+
+**Start-up.** With ``broadcast_params=True`` rank 0's parameters and buffers are
+broadcast to every rank of the dp group (one flat broadcast per dtype, tag
+``"ddp-broadcast"``). Buffers are *not* re-broadcast at every forward (torch's
+``broadcast_buffers=True`` does that; it matters for BatchNorm statistics). With
+``broadcast_params=False`` the replicas are checked instead (a 64-bit hash per
+tensor, all-gathered) and ``ValueError`` names the first tensor that differs.
+
+Communication goes through ``ctx.comm`` (the ledger) on ``ctx.dp_group``; gradient
+all-reduces carry the tag ``"ddp-grad"`` and add up to exactly ``grad_bytes`` per
+synchronised step. We use SUM then divide by the group size, not ``ReduceOp.AVG``:
+it works on every backend and torch version (older gloo releases reject AVG).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import defaultdict
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ReduceOp
+
+from lslm.data_parallel.ddp.checks import first_mismatch
+
+GRAD_TAG = "ddp-grad"
+BROADCAST_TAG = "ddp-broadcast"
+UNUSED_TAG = "ddp-unused"
+
+
+def group_src(group: Any) -> int:
+    """Global rank of rank 0 of ``group`` (the source of the start-up broadcast)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def flat_broadcast(tensors: list[torch.Tensor], comm: Any, src: int, group: Any, tag: str) -> None:
+    """Broadcast ``tensors`` from ``src`` in one flat message per (dtype, device), copying results in place."""
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        kinds[(t.dtype, t.device)].append(t)
+    with torch.no_grad():
+        for ts in kinds.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            comm.broadcast(flat, src, group=group, tag=tag)
+            offset = 0
+            for t in ts:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+class DDPBase(nn.Module):
+    """The common wrapper; subclasses implement :meth:`_sync_grads` (and may use the hooks below).
+
+    Attributes: ``module`` (the wrapped model), ``grad_bytes`` (bytes of the gradients
+    synchronised per step: every parameter with ``requires_grad``, shared ones once),
+    ``world_size`` (dp group size), ``timeline`` (bucket events when
+    ``record_timeline=True``), ``buckets`` (parameter names per all-reduce message).
+    """
+
+    variant = "base"
+
+    def __init__(self, module: nn.Module, ctx: Any, *, broadcast_params: bool = True,
+                 find_unused_parameters: bool = False, record_timeline: bool = False) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DDP wraps an nn.Module, got {type(module).__name__}")
+        wrong = [n for n, p in module.named_parameters() if p.device.type != ctx.device.type]
+        if wrong:
+            raise ValueError(f"parameter {wrong[0]!r} is on {module.get_parameter(wrong[0]).device} but this rank "
+                             f"runs on {ctx.device}: call model.to(ctx.device) before wrapping it")
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: create ctx with lslm.dist.init_distributed()")
+        self.module = module
+        self.ctx = ctx
+        self.comm = ctx.comm
+        self.group = ctx.dp_group
+        self.world_size = dist.get_world_size(self.group)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.record_timeline = bool(record_timeline)
+        self.timeline: list[dict[str, Any]] = []
+        self._timeline_lock = threading.Lock()
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # shared tensors once
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        self._require_sync = True  # False inside no_sync()
+        self._sync_this_backward = True  # decided at each forward (grad enabled)
+        self._synced_since_forward = False
+        self._step = 0  # number of synchronised steps so far (timeline key)
+        state = [p for p in module.parameters()] + [b for b in module.buffers()]
+        if broadcast_params:
+            flat_broadcast(state, self.comm, group_src(self.group), self.group, BROADCAST_TAG)
+        else:
+            named_state = list(module.named_parameters()) + list(module.named_buffers())
+            device = state[0].device if state else "cpu"
+            bad = first_mismatch(named_state, self.comm, self.group, device)
+            if bad is not None:
+                raise ValueError(f"{bad[0]!r} differs across ranks (dp ranks {bad[1]} differ from dp rank 0) and "
+                                 "broadcast_params=False: build the model from the same seed on every rank, or "
+                                 "pass broadcast_params=True to copy rank 0's values")
+
+    # -- the user-facing API -------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped model; with grad enabled, decide whether the coming backward synchronises."""
+        if torch.is_grad_enabled():
+            self._before_forward()
+            self._sync_this_backward = self._require_sync
+            self._synced_since_forward = False
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside this context forwards (and their backwards) only accumulate gradients locally."""
+        old, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = old
+
+    def finish_grad_sync(self) -> None:
+        """Make every ``.grad`` the mean over the dp group (call once after each synchronising backward)."""
+        if not self._sync_this_backward:
+            return  # the last forward ran inside no_sync(): keep accumulating locally
+        if self._synced_since_forward:
+            raise RuntimeError("finish_grad_sync() was called again without a forward through the DDP wrapper "
+                               "since the last sync: run the forward as ddp(x) (not ddp.module(x)) and call "
+                               "finish_grad_sync() once per synchronising backward")
+        self._sync_grads()
+        self._synced_since_forward = True
+        self._step += 1
+
+    @property
+    def buckets(self) -> list[list[str]]:
+        """Parameter names of each all-reduce message, in the order they are sent."""
+        return [[n] for n in self.param_names]
+
+    def reset_timeline(self) -> None:
+        """Forget the recorded events."""
+        with self._timeline_lock:
+            self.timeline.clear()
+
+    # -- for subclasses ------------------------------------------------------------
+    def _sync_grads(self) -> None:
+        raise NotImplementedError
+
+    def _before_forward(self) -> None:
+        """Called at each forward with grad enabled, before the sync decision (a check point)."""
+
+    def _record(self, event: str, bucket: int, nbytes: int, **extra: Any) -> None:
+        if self.record_timeline:
+            row = {"event": event, "bucket": bucket, "bytes": nbytes, "t": time.perf_counter(), "step": self._step,
+                   **extra}
+            with self._timeline_lock:
+                self.timeline.append(row)
+
+    def _unused_error(self, indices: list[int], where: str) -> RuntimeError:
+        names = [self.param_names[i] for i in indices]
+        shown = ", ".join(repr(n) for n in names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+        return RuntimeError(
+            f"{type(self).__name__}: {len(names)} parameter(s) got no gradient {where}: {shown}. Every rank must "
+            "all-reduce every gradient, so DDP cannot skip them silently. Make them take part in the loss, set "
+            "requires_grad=False on them before wrapping the model, or pass find_unused_parameters=True (a "
+            "missing gradient then counts as zero, and a parameter no rank used keeps .grad=None).")
+
+    def _globally_unused(self, used: list[bool]) -> list[int]:
+        """All-reduce this rank's used flags; return the indices of parameters no rank used."""
+        device = self.params[0].device if self.params else torch.device("cpu")
+        flags = torch.tensor([1 if u else 0 for u in used], dtype=torch.int32, device=device)
+        if flags.numel():
+            self.comm.all_reduce(flags, ReduceOp.SUM, group=self.group, tag=UNUSED_TAG)
+        return [i for i, f in enumerate(flags.tolist()) if f == 0]
+
+    def _check_missing(self) -> tuple[list[int], list[int]]:
+        """For variants that sync after backward: (params without .grad, those no rank used).
+
+        Raises the unused-parameter error unless ``find_unused_parameters``; otherwise
+        gives the missing ones a zero ``.grad`` so the all-reduce sees the same tensors
+        everywhere (the caller sets the globally unused back to None afterwards).
+        """
+        missing = [i for i, p in enumerate(self.params) if p.grad is None]
+        if not self.find_unused_parameters:
+            if missing:
+                raise self._unused_error(missing, "before finish_grad_sync()")
+            return [], []
+        nobody = self._globally_unused([p.grad is not None for p in self.params])
+        for i in missing:
+            self.params[i].grad = torch.zeros_like(self.params[i])
+        return missing, nobody
+
+    def _clear_unused(self, nobody: list[int]) -> None:
+        for i in nobody:
+            self.params[i].grad = None
+
+    def extra_repr(self) -> str:
+        return (f"variant={self.variant!r}, world_size={self.world_size}, grad_bytes={self.grad_bytes}, "
+                f"find_unused_parameters={self.find_unused_parameters}")

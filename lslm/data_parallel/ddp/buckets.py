@@ -1,0 +1,52 @@
+"""Bucket planning: which gradients travel together in one all-reduce.
+
+A pure function (no processes, no tensors) so it can be tested and plotted on its
+own. Both :class:`~lslm.data_parallel.ddp.fused.FusedDDP` and
+:class:`~lslm.data_parallel.ddp.bucketed.BucketedDDP` use it.
+
+Order: **reverse** ``module.parameters()`` order. Backward visits layers roughly in
+reverse of forward, so the last layer's gradients are ready first; putting them in
+the first bucket lets that bucket's all-reduce start while the earlier layers are
+still being differentiated (Li et al. 2020, §3.2.3). Torch's DDP does the same
+(and then re-plans from the order observed in the first iteration; we do not).
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+
+def cap_bytes(bucket_cap_mb: float) -> int:
+    """``bucket_cap_mb`` (MiB, as in torch DDP) in bytes; raises ``ValueError`` unless it is a number > 0."""
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be a number > 0 (MiB per bucket), got {bucket_cap_mb!r}")
+    return max(1, int(bucket_cap_mb * 2**20))
+
+
+def plan_buckets(nbytes: Sequence[int], cap: int, keys: Sequence[Hashable] | None = None) -> list[list[int]]:
+    """Group tensors ``0 .. len(nbytes)-1`` into buckets of at most ``cap`` bytes, in reverse index order.
+
+    * A bucket is closed when the next tensor would push it over ``cap``, so a tensor
+      larger than ``cap`` sits alone in its own bucket (it cannot be split).
+    * ``keys`` (e.g. ``(dtype, device)`` per tensor): tensors with different keys never
+      share a bucket, since one flat buffer has one dtype and lives on one device.
+
+    Returns lists of indices; bucket 0 holds the *last* tensors.
+    """
+    if cap < 1:
+        raise ValueError(f"cap must be >= 1 byte, got {cap}")
+    keys = list(keys) if keys is not None else [None] * len(nbytes)
+    if len(keys) != len(nbytes):
+        raise ValueError(f"{len(keys)} keys for {len(nbytes)} tensors")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i in reversed(range(len(nbytes))):
+        if current and (size + nbytes[i] > cap or keys[i] != keys[current[0]]):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes[i]
+    if current:
+        buckets.append(current)
+    return buckets
