@@ -1,4 +1,4 @@
-"""The ``lslm`` command: ``lslm doctor`` checks a machine, ``lslm launch`` runs a worker."""
+"""The ``lslm`` command: ``lslm doctor`` checks a machine, ``lslm bench`` measures, ``lslm launch`` runs a worker."""
 
 from __future__ import annotations
 
@@ -89,12 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     p_doc.add_argument("--nproc", type=int, default=2)
     p_doc.add_argument("--json", action="store_true", help="print the machine report as JSON and exit")
     p_bench = sub.add_parser("bench", help="run a side-by-side benchmark (prints a table, writes JSON/PNG)")
-    p_bench.add_argument("name", choices=("launch", "collectives"))
+    p_bench.add_argument("name", choices=("launch", "collectives", "ddp"))
     p_bench.add_argument("--sizes-kib", type=int, nargs="+", default=None,
                          help="collectives: message sizes in KiB (default 4 KiB ... 64 MiB)")
     p_bench.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
     p_bench.add_argument("--repeats", type=int, default=5)
     p_bench.add_argument("--out", default=None, help="folder for JSON/PNG (default: bench/results)")
+    p_bench.add_argument("--quick", action="store_true",
+                         help="ddp: tiny model and few steps (checks structure and bytes; timings meaningless)")
+    p_bench.add_argument("--bucket-mb", type=float, default=None,
+                         help="ddp: the bucket size every variant uses (MiB; default 4)")
+    p_bench.add_argument("--sweep-mb", type=float, nargs="+", default=None,
+                         help="ddp: bucket sizes of the sweep (MiB; default 0.25 1 4 16)")
+    p_bench.add_argument("--steps", type=int, default=None, help="ddp: timed steps per variant (default 15)")
     p_launch = sub.add_parser("launch", help="run 'package.module:function' on N processes via torchrun")
     p_launch.add_argument("target")
     p_launch.add_argument("--nproc", type=int, default=2)
@@ -119,6 +126,15 @@ def main(argv: list[str] | None = None) -> int:
 
             sizes = tuple(k * 1024 for k in ns.sizes_kib) if ns.sizes_kib else collectives.DEFAULT_SIZES
             collectives.run(tuple(ns.nprocs), sizes, ns.repeats, out_dir=out_dir)
+        elif ns.name == "ddp":
+            from lslm.bench import ddp
+
+            try:
+                ddp.run(tuple(ns.nprocs), quick=ns.quick, steps=ns.steps,
+                        bucket_cap_mb=ns.bucket_mb if ns.bucket_mb is not None else ddp.DEFAULT_BUCKET_MB,
+                        sweep_mb=tuple(ns.sweep_mb) if ns.sweep_mb else None, out_dir=out_dir)
+            except ValueError as exc:
+                parser.error(str(exc))
         return 0
     if ns.command == "launch":
         from lslm.dist.launch import LaunchError, launch
