@@ -412,7 +412,9 @@ def _parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
         else:
             kind = str if f.name == "out" else type(default)
-            parser.add_argument(flag, dest=f.name, type=kind, default=default, help=f"(default: {default})")
+            choices = {"variant": _variants(), "model": MODELS, "sampler": SAMPLERS}.get(f.name)
+            parser.add_argument(flag, dest=f.name, type=kind, default=default, choices=choices,
+                                help=f"(default: {default})")
     return parser
 
 
