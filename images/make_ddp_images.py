@@ -15,19 +15,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyBboxPatch  # noqa: E402
+
+from diagram import arrow as _arrow, box as _box  # noqa: E402  (images/diagram.py)
 
 HERE = Path(__file__).resolve().parent
 BLUE, ORANGE, GREEN, RED, GREY = "#8ecae6", "#ffb703", "#90be6d", "#f28482", "#e9ecef"
-
-
-def _box(ax, x, y, w, h, text, color, fontsize=9, **kw):
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02", fc=color, ec="black", lw=0.8, **kw))
-    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize)
-
-
-def _arrow(ax, xy, xytext, **kw):
-    ax.annotate("", xy=xy, xytext=xytext, arrowprops={"arrowstyle": "->", "lw": 1, **kw})
 
 
 def overview(path: Path) -> None:
@@ -48,7 +40,7 @@ def overview(path: Path) -> None:
         else:  # around the left side, past rank 0's sampler
             ax.plot([0.66, 0.66, 0.08, 0.08], [4.55, 4.3, 4.3, y + 0.45], color="black", lw=1)
             _arrow(ax, (0.2, y + 0.45), (0.08, y + 0.45))
-        _box(ax, 3.1, y, 2.0, 0.9, f"full model replica\nforward + backward", GREY, 8)
+        _box(ax, 3.1, y, 2.0, 0.9, "full model replica\nforward + backward", GREY, 8)
         _arrow(ax, (3.1, y + 0.45), (2.6, y + 0.45))
         _box(ax, 5.6, y, 1.4, 0.9, f"local grads\n$g_{r}$", col, 9)
         _arrow(ax, (5.6, y + 0.45), (5.1, y + 0.45))
@@ -95,7 +87,7 @@ def overlap(path: Path) -> None:
         ax.barh(1.4, 0.8, left=end, height=0.6, color=GREEN, ec="black", lw=0.6)
         ax.text(end + 0.4, 1.4, "opt", ha="center", va="center", fontsize=8)
         ax.axvline(end + 0.8, color="black", lw=1.2)
-        ax.text(end + 0.85, 1.85, f"step ends", fontsize=7, va="top")
+        ax.text(end + 0.85, 1.85, "step ends", fontsize=7, va="top")
         for side in ("top", "right"):
             ax.spines[side].set_visible(False)
     axes[-1].set_xlabel("time (schematic units)")

@@ -16,7 +16,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyBboxPatch  # noqa: E402
+
+from diagram import arrow, box  # noqa: E402  (images/diagram.py)
 
 HERE = Path(__file__).resolve().parent
 DEVICE_COLORS = ["#8ecae6", "#ffb703", "#90be6d"]
@@ -24,12 +25,11 @@ N = 3
 
 
 def _box(ax, x, y, w, h, text, color, fontsize=8):
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02", fc=color, ec="black", lw=0.8))
-    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize)
+    box(ax, x, y, w, h, text, color, fontsize)
 
 
 def _arrow(ax, x0, y0, x1, y1, color="black"):
-    ax.annotate("", xy=(x1, y1), xytext=(x0, y0), arrowprops={"arrowstyle": "->", "lw": 1.0, "color": color})
+    arrow(ax, (x1, y1), (x0, y0), color=color)
 
 
 def _panel(ax, title, columns, cells, links):

@@ -10,12 +10,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyBboxPatch  # noqa: E402
 
+from diagram import box  # noqa: E402  (images/diagram.py)
+
 HERE = Path(__file__).resolve().parent
 
 
 def _box(ax, x, y, w, h, text, color, fontsize=10):
-    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02", fc=color, ec="black", lw=1))
-    ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize)
+    box(ax, x, y, w, h, text, color, fontsize, lw=1)
 
 
 def torchrun_ranks(path: Path) -> None:

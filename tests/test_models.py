@@ -13,13 +13,7 @@ from lslm.models import GPT, GPTConfig, build_hf_gpt2, build_hf_llama
 from lslm.recipes.train import TrainConfig, main, train
 
 
-@pytest.fixture(scope="module", autouse=True)
-def lslm_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One cache directory per test session (shared by the lslm test files), never ~/.cache."""
-    path = tmp_path_factory.getbasetemp() / "lslm_cache"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LSLM_CACHE_DIR", str(path))
-        yield path
+pytestmark = pytest.mark.usefixtures("lslm_cache")  # conftest.py: a per-session cache, never ~/.cache
 
 
 def _tiny(seed: int = 0, **overrides) -> GPT:
@@ -104,18 +98,23 @@ def test_sequence_too_long() -> None:
 # --- Hugging Face builders --------------------------------------------------------------
 
 
+def _check_fresh_causal_lm(model: torch.nn.Module, vocab_size: int) -> None:
+    """A randomly initialised LM: logits of the right shape, loss near ln(V), a gradient on every parameter."""
+    x = torch.randint(0, vocab_size, (2, 16))
+    out = model(input_ids=x, labels=x)
+    assert out.logits.shape == (2, 16, vocab_size)
+    assert abs(out.loss.item() - math.log(vocab_size)) < 0.1
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_hf_gpt2() -> None:
     model = build_hf_gpt2(vocab_size=1024, n_positions=64, n_layer=2, n_head=4, n_embd=64, seed=0)
     again = build_hf_gpt2(vocab_size=1024, n_positions=64, n_layer=2, n_head=4, n_embd=64, seed=0)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters(), strict=True))
     # Same architecture as our GPT, so the same number of parameters.
     assert sum(p.numel() for p in model.parameters()) == _tiny().num_parameters()
-    x = torch.randint(0, 1024, (2, 16))
-    out = model(input_ids=x, labels=x)
-    assert out.logits.shape == (2, 16, 1024)
-    assert abs(out.loss.item() - math.log(1024)) < 0.1
-    out.loss.backward()
-    assert all(p.grad is not None for p in model.parameters())
+    _check_fresh_causal_lm(model, vocab_size=1024)
 
 
 def test_hf_llama() -> None:
@@ -125,12 +124,7 @@ def test_hf_llama() -> None:
     model = build_hf_llama(1024, 64, 2, 4, 64, 176, num_key_value_heads=2, seed=0)
     assert torch.equal(torch.rand(1), before)  # the caller's RNG stream is untouched
     assert model.config.num_key_value_heads == 2
-    x = torch.randint(0, 1024, (2, 16))
-    out = model(input_ids=x, labels=x)
-    assert out.logits.shape == (2, 16, 1024)
-    assert abs(out.loss.item() - math.log(1024)) < 0.1
-    out.loss.backward()
-    assert all(p.grad is not None for p in model.parameters())
+    _check_fresh_causal_lm(model, vocab_size=1024)
 
 
 def test_hf_bad_arguments() -> None:

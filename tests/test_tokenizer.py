@@ -11,13 +11,7 @@ from lslm.data.corpus import load_corpus_text
 from lslm.data.tokenizer import EOT_TOKEN, get_tokenizer, tokenizer_path, train_tokenizer
 
 
-@pytest.fixture(scope="module", autouse=True)
-def lslm_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One cache directory per test session (shared by the lslm test files), never ~/.cache."""
-    path = tmp_path_factory.getbasetemp() / "lslm_cache"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LSLM_CACHE_DIR", str(path))
-        yield path
+pytestmark = pytest.mark.usefixtures("lslm_cache")  # conftest.py: a per-session cache, never ~/.cache
 
 
 TRICKY = [

@@ -22,7 +22,6 @@ per byte reduced.
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
@@ -31,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from lslm.bench.results import write_results
 
 KIB, MIB = 1024, 1024 * 1024
 DEFAULT_SIZES = (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB)
@@ -239,11 +240,7 @@ def run(nprocs: tuple[int, ...] = (2, 4), sizes: tuple[int, ...] = DEFAULT_SIZES
         results[n] = {"rows": rows, "fit": fit_alpha_beta(rows)}
     _print_table(results)
     if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "collectives.json").write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
-        plot(results, out / "collectives.png")
-        print(f"wrote {out / 'collectives.json'} and {out / 'collectives.png'}")
+        write_results(results, out_dir, "collectives", plot)
     if all("all_reduce" in {r["kind"] for r in v["rows"]} for v in results.values()):
         ratios = ", ".join(f"{n} processes {ring_to_native_ratio(v['rows']):.2f}" for n, v in results.items())
         biggest = max(sizes) / MIB

@@ -48,7 +48,6 @@ The last printed line is the bucketed / torch DDP step-time ratio per world size
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -56,6 +55,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lslm.bench.results import write_results
 
 MIB = 1024 * 1024
 #: 4 blocks of width 256: 3.7 M parameters, 14.1 MiB of fp32 gradients; forward +
@@ -347,11 +348,7 @@ def run(nprocs: tuple[int, ...] = (2, 4), *, quick: bool = False, model: dict[st
         results[n] = res[0]
     print_table(results)
     if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "ddp.json").write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
-        plot(results, out / "ddp.png")
-        print(f"wrote {out / 'ddp.json'} and {out / 'ddp.png'}")
+        write_results(results, out_dir, "ddp", plot)
     print("bucketed / torch DDP step time (target <= 1.10): "
           + ", ".join(f"{n} processes {ratio(r):.2f}x" for n, r in results.items()))
     return results

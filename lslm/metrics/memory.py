@@ -37,19 +37,6 @@ try:  # A weak reference to a storage tells a freed-and-reused address from a li
 except ImportError:  # pragma: no cover - present in every torch this package supports
     StorageWeakRef = None  # type: ignore[assignment,misc]
 
-__all__ = [
-    "ActivationMemory",
-    "MemoryReport",
-    "ModelStateBytes",
-    "format_bytes",
-    "memory_report",
-    "model_state_bytes",
-    "peak_rss_bytes",
-    "process_rss_bytes",
-    "reset_peak_memory",
-    "theory_model_state_bytes",
-]
-
 _MIB = 1024**2
 _OPTIMIZERS = ("adam", "adamw", "sgd", "sgd_momentum")
 

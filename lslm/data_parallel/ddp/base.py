@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ReduceOp
 
+from lslm.data_parallel.ddp.buckets import cap_bytes, plan_buckets
 from lslm.data_parallel.ddp.checks import first_mismatch
 
 GRAD_TAG = "ddp-grad"
@@ -222,3 +223,28 @@ class DDPBase(nn.Module):
     def extra_repr(self) -> str:
         return (f"variant={self.variant!r}, world_size={self.world_size}, grad_bytes={self.grad_bytes}, "
                 f"find_unused_parameters={self.find_unused_parameters}")
+
+
+class BucketPlanDDP(DDPBase):
+    """A :class:`DDPBase` whose gradients travel in buckets planned once, at construction.
+
+    The plan (:func:`~lslm.data_parallel.ddp.buckets.plan_buckets`: reverse
+    ``parameters()`` order, at most ``bucket_cap_mb`` MiB each, one dtype and device
+    per bucket) is a list of parameter-index lists, ``self._plan``; the cap is
+    validated before the constructor communicates, so a bad value fails on every rank
+    alike instead of leaving peers waiting in the broadcast.
+    """
+
+    def __init__(self, module: nn.Module, ctx: Any, *, bucket_cap_mb: float = 25.0, broadcast_params: bool = True,
+                 find_unused_parameters: bool = False, record_timeline: bool = False) -> None:
+        cap = cap_bytes(bucket_cap_mb)
+        super().__init__(module, ctx, broadcast_params=broadcast_params,
+                         find_unused_parameters=find_unused_parameters, record_timeline=record_timeline)
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self._plan = plan_buckets([p.numel() * p.element_size() for p in self.params], cap,
+                                  [(p.dtype, p.device) for p in self.params])
+
+    @property
+    def buckets(self) -> list[list[str]]:
+        """Parameter names of each bucket, in the order they are all-reduced (bucket 0: the last layers)."""
+        return [[self.param_names[i] for i in idx] for idx in self._plan]

@@ -10,11 +10,10 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
-from lslm.data_parallel.ddp.base import GRAD_TAG, DDPBase
-from lslm.data_parallel.ddp.buckets import cap_bytes, plan_buckets
+from lslm.data_parallel.ddp.base import GRAD_TAG, BucketPlanDDP
 
 
-class BucketedDDP(DDPBase):
+class BucketedDDP(BucketPlanDDP):
     """Gradient bucketing with communication overlapped with backward.
 
     **Algorithm.** Gradients are grouped into buckets of at most ``bucket_cap_mb`` MiB
@@ -56,12 +55,8 @@ class BucketedDDP(DDPBase):
 
     def __init__(self, module: nn.Module, ctx: Any, *, bucket_cap_mb: float = 25.0, broadcast_params: bool = True,
                  find_unused_parameters: bool = False, record_timeline: bool = False) -> None:
-        cap = cap_bytes(bucket_cap_mb)  # validate before any communication
-        super().__init__(module, ctx, broadcast_params=broadcast_params,
+        super().__init__(module, ctx, bucket_cap_mb=bucket_cap_mb, broadcast_params=broadcast_params,
                          find_unused_parameters=find_unused_parameters, record_timeline=record_timeline)
-        self.bucket_cap_mb = float(bucket_cap_mb)
-        self._plan = plan_buckets([p.numel() * p.element_size() for p in self.params], cap,
-                                  [(p.dtype, p.device) for p in self.params])
         self._buffers: list[torch.Tensor] = []
         self._where: dict[int, tuple[int, int]] = {}  # param index -> (bucket, offset in its buffer)
         for b, idx in enumerate(self._plan):
@@ -74,11 +69,6 @@ class BucketedDDP(DDPBase):
         self._lock = threading.Lock()  # hooks may run on autograd's device thread
         self._reset_state()
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
-
-    @property
-    def buckets(self) -> list[list[str]]:
-        """Parameter names of each bucket, bucket 0 first (the last layers of the model)."""
-        return [[self.param_names[i] for i in idx] for idx in self._plan]
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks (the wrapper then no longer synchronises anything)."""

@@ -8,11 +8,10 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
-from lslm.data_parallel.ddp.base import GRAD_TAG, DDPBase
-from lslm.data_parallel.ddp.buckets import cap_bytes, plan_buckets
+from lslm.data_parallel.ddp.base import GRAD_TAG, BucketPlanDDP
 
 
-class FusedDDP(DDPBase):
+class FusedDDP(BucketPlanDDP):
     """Tensor fusion: few large all-reduces instead of one per gradient, still after backward.
 
     **Algorithm.** At construction the gradients are grouped into buckets of at most
@@ -36,12 +35,8 @@ class FusedDDP(DDPBase):
 
     def __init__(self, module: nn.Module, ctx: Any, *, bucket_cap_mb: float = 25.0, broadcast_params: bool = True,
                  find_unused_parameters: bool = False, record_timeline: bool = False) -> None:
-        cap = cap_bytes(bucket_cap_mb)  # validate before any communication
-        super().__init__(module, ctx, broadcast_params=broadcast_params,
+        super().__init__(module, ctx, bucket_cap_mb=bucket_cap_mb, broadcast_params=broadcast_params,
                          find_unused_parameters=find_unused_parameters, record_timeline=record_timeline)
-        self.bucket_cap_mb = float(bucket_cap_mb)
-        self._plan = plan_buckets([p.numel() * p.element_size() for p in self.params], cap,
-                                  [(p.dtype, p.device) for p in self.params])
         self._fusion: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         for idx in self._plan:
             p0 = self.params[idx[0]]
@@ -49,11 +44,6 @@ class FusedDDP(DDPBase):
             key = (p0.dtype, p0.device)
             if key not in self._fusion or self._fusion[key].numel() < numel:
                 self._fusion[key] = torch.empty(numel, dtype=p0.dtype, device=p0.device)
-
-    @property
-    def buckets(self) -> list[list[str]]:
-        """Parameter names of each fused all-reduce, in the order they are sent."""
-        return [[self.param_names[i] for i in idx] for idx in self._plan]
 
     def _sync_grads(self) -> None:
         _, nobody = self._check_missing()
