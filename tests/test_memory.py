@@ -282,10 +282,10 @@ def test_activation_passes_sum_and_shared_input_counts_once() -> None:
 def test_reused_address_counts_again_only_after_free(monkeypatch: pytest.MonkeyPatch) -> None:
     # The allocator may or may not reuse an address on a given run; make every
     # storage report the same address so both branches run deterministically.
-    import lslm.metrics.memory as memory
+    import lslm.metrics.activations as activations
 
-    real = memory._storage_of
-    monkeypatch.setattr(memory, "_storage_of", lambda t: (("same",), *real(t)[1:]))
+    real = activations.storage_of
+    monkeypatch.setattr(activations, "storage_of", lambda t: (("same",), *real(t)[1:]))
     a, b = torch.zeros(10), torch.zeros(10)
     with ActivationMemory() as act:
         act._pack(a)
