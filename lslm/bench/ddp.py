@@ -120,10 +120,11 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
     from torch.utils.data import DataLoader
 
     from lslm.data.dataset import token_blocks
+    from lslm.data.sampler import make_sampler
     from lslm.data_parallel.ddp import make_ddp
     from lslm.dist import init_distributed
     from lslm.models.gpt import GPT, GPTConfig
-    from lslm.recipes.ddp import make_sampler, model_loss
+    from lslm.recipes.ddp import model_loss
 
     with init_distributed(seed=seed) as ctx:
         torch.set_num_threads(threads)

@@ -64,7 +64,6 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -72,6 +71,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lslm.data.corpus import atomic_write_bytes
 from lslm.data.dataset import token_blocks
+from lslm.data.sampler import SAMPLERS, BaselineOrderSampler, make_sampler
 from lslm.dist import init_distributed, rank_print
 from lslm.dist.context import ParallelContext
 from lslm.metrics.memory import memory_report
@@ -81,7 +81,6 @@ __all__ = ["DDPConfig", "BaselineOrderSampler", "MODELS", "SAMPLERS", "check_con
            "model_loss", "worker", "run", "main", "GRAD_TAG"]
 
 MODELS = ("gpt", "hf_gpt2")
-SAMPLERS = ("baseline", "torch")
 #: Ledger tag of the gradient all-reduces (set by lslm.data_parallel.ddp).
 GRAD_TAG = "ddp-grad"
 #: Ledger tag of this recipe's own end-of-run reporting collectives.
@@ -148,39 +147,6 @@ def check_config(cfg: DDPConfig, world_size: int) -> int:
         raise ValueError(f"the per-rank batch {per_rank} (= {cfg.batch_size} / {world_size}) is not divisible by "
                          f"grad_accum={cfg.grad_accum}")
     return per_rank // cfg.grad_accum
-
-
-class BaselineOrderSampler(DistributedSampler):
-    """``DistributedSampler`` whose epoch permutation is the serial baseline's.
-
-    Identical to torch's sampler (same ``drop_last`` cut or padding, same striding:
-    rank ``r`` takes positions ``r, r + n, r + 2n, ...`` of the epoch order, same
-    ``set_epoch``), except that with ``shuffle=True`` the epoch order is
-    ``numpy.random.default_rng([seed, epoch]).permutation(len(dataset))``, the order
-    :func:`lslm.data.dataset.batches` uses, instead of ``torch.randperm`` seeded
-    with ``seed + epoch``. With a per-rank batch of ``b`` rows, global batch ``i``
-    is then the rows ``order[i*n*b:(i+1)*n*b]``, the serial run's batch ``i``.
-    """
-
-    def __iter__(self) -> Iterator[int]:
-        # Ask torch's sampler, unshuffled, which *positions* this rank takes...
-        shuffle, self.shuffle = self.shuffle, False
-        try:
-            positions = list(super().__iter__())
-        finally:
-            self.shuffle = shuffle
-        n = len(self.dataset)  # type: ignore[arg-type]
-        # ...and map them through this epoch's permutation.
-        order = np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
-        return iter(order[positions].tolist())
-
-
-def make_sampler(dataset: Any, kind: str, *, rank: int, world_size: int, seed: int = 0) -> DistributedSampler:
-    """The sampler of ``kind`` (``"baseline"`` or ``"torch"``) for ``rank`` of ``world_size``; drops the tail."""
-    if kind not in SAMPLERS:
-        raise ValueError(f"unknown sampler {kind!r}; expected one of {SAMPLERS}")
-    cls = BaselineOrderSampler if kind == "baseline" else DistributedSampler
-    return cls(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
 
 
 def _build(cfg: DDPConfig) -> nn.Module:
