@@ -57,8 +57,8 @@ def reference_params(steps: int, world: int, accum: int, device: torch.device) -
 
 
 def _grad_bytes(ledger: Any, start: int) -> tuple[int, int]:
-    recs = [r for r in ledger.records[start:] if r.tag == GRAD_TAG and r.op == "all_reduce"]
-    return sum(r.nbytes for r in recs), len(recs)
+    return (ledger.total_bytes("all_reduce", tag=GRAD_TAG, since=start),
+            ledger.calls("all_reduce", tag=GRAD_TAG, since=start))
 
 
 def train_ddp(ctx: Any, variant: str, steps: int, accum: int, cap_mb: float, ledger_hook: bool = False,
@@ -70,7 +70,7 @@ def train_ddp(ctx: Any, variant: str, steps: int, accum: int, cap_mb: float, led
     ledger = ctx.comm.ledger
     start = len(ledger.records)
     ddp = make_ddp(model, ctx, variant=variant, bucket_cap_mb=cap_mb, record_timeline=record_timeline)
-    bcast = sum(rec.nbytes for rec in ledger.records[start:] if rec.tag == BROADCAST_TAG)
+    bcast = ledger.total_bytes(tag=BROADCAST_TAG, since=start)
     if ledger_hook:
         ddp.use_ledger_comm_hook()
     opt = _optimizer(ddp.module)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lslm.dist.grid import RankGrid
+from lslm.dist.ledger import CommLedger, CommRecord
 from tests.helpers import run_workers
 
 
@@ -40,3 +41,28 @@ def test_ledger_records_exact_bytes(nproc: int) -> None:
         recvs = [rec for rec in r["records"] if rec["op"] == "recv"]
         assert sends[0]["peer"] == (rank + 1) % n and recvs[0]["peer"] == (rank - 1) % n
         assert all(rec["group_size"] == n for rec in r["records"] if rec["op"] not in ("send", "recv"))
+
+
+def test_ledger_selects_by_op_tag_and_start() -> None:
+    ledger = CommLedger()
+    for op, nbytes, tag in (("broadcast", 8, "bcast"), ("all_reduce", 100, "g"), ("all_reduce", 40, "other"),
+                            ("all_reduce", 60, "g")):
+        ledger.record(CommRecord(op, nbytes, group_size=2, tag=tag))
+    assert ledger.total_bytes() == 208 and ledger.calls() == 4
+    assert ledger.total_bytes("all_reduce", tag="g") == 160 and ledger.calls("all_reduce", tag="g") == 2
+    assert ledger.total_bytes(tag="g", since=2) == 60 and ledger.calls(since=2) == 2
+    assert ledger.total_bus_bytes("all_reduce", tag="g") == 160  # ring, n = 2: 2(n-1)/n = 1 byte per byte
+    assert [r.nbytes for r in ledger.select(tag="bcast")] == [8]
+
+
+def test_synchronize_never_touches_cuda_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from lslm.dist import synchronize
+
+    def boom(*_: object) -> None:
+        raise AssertionError("torch.cuda.synchronize reached on the CPU path")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", boom)
+    synchronize(torch.device("cpu"), torch.device("cpu"))
+    synchronize()

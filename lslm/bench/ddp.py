@@ -57,6 +57,8 @@ import torch
 import torch.distributed as dist
 
 from lslm.bench.results import write_results
+from lslm.data_parallel.ddp import GRAD_TAG, cap_bytes
+from lslm.dist.runtime import synchronize
 
 MIB = 1024 * 1024
 #: 4 blocks of width 256: 3.7 M parameters, 14.1 MiB of fp32 gradients; forward +
@@ -68,12 +70,6 @@ DEFAULT_BUCKET_MB = 4.0
 DEFAULT_SWEEP_MB = (0.25, 1.0, 4.0, 16.0)
 QUICK_SWEEP_MB = (0.25, 1.0)
 MAIN_VARIANTS = ("naive", "fused", "bucketed", "torch")
-GRAD_TAG = "ddp-grad"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _torch_hook_bytes(model_cfg: dict[str, Any], ctx: Any, bucket_cap_mb: float, batch: torch.Tensor,
@@ -94,9 +90,9 @@ def _torch_hook_bytes(model_cfg: dict[str, Any], ctx: Any, bucket_cap_mb: float,
         model.zero_grad(set_to_none=True)
         model_loss(ddp, x, y).backward()
         ddp.finish_grad_sync()
-        _sync(ctx.device)
-        recs = [r for r in ledger.records[start:] if r.tag == GRAD_TAG and r.op == "all_reduce"]
-        out.append((sum(r.nbytes for r in recs), len(recs)))
+        synchronize(ctx.device)
+        out.append((ledger.total_bytes("all_reduce", tag=GRAD_TAG, since=start),
+                    ledger.calls("all_reduce", tag=GRAD_TAG, since=start)))
     return out
 
 
@@ -157,15 +153,15 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
             loss = model_loss(ddp if ddp is not None else net, x, y)
             tf = time.perf_counter()
             loss.backward()
-            _sync(dev)
+            synchronize(dev)
             t1 = time.perf_counter()
             if ddp is not None:
                 ddp.finish_grad_sync()
-            _sync(dev)
+            synchronize(dev)
             t2 = time.perf_counter()
             torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
             opt.step()
-            _sync(dev)
+            synchronize(dev)
             return {"t0": t0, "forward_end": tf, "backward_end": t1, "sync_end": t2, "step_end": time.perf_counter()}
 
         ledger = ctx.comm.ledger
@@ -180,8 +176,7 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
                     times[e, s] = torch.tensor([m["step_end"] - m["t0"], m["backward_end"] - m["t0"],
                                                 m["sync_end"] - m["backward_end"], m["step_end"] - m["sync_end"]],
                                                dtype=torch.float64)
-                    grad_bytes_seen[e][s] = sum(r.nbytes for r in ledger.records[start:]
-                                                if r.tag == GRAD_TAG and r.op == "all_reduce")
+                    grad_bytes_seen[e][s] = ledger.total_bytes("all_reduce", tag=GRAD_TAG, since=start)
             ledger.reset()  # keep the ledger small; every step was counted above
 
         # One more (untimed) step of the main bucketed entry with its timeline on, for the overlap plot.
@@ -210,7 +205,7 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
             t0 = time.perf_counter()
             for b in bufs:
                 dist.all_reduce(b)
-            _sync(dev)
+            synchronize(dev)
             comm_t[i] = time.perf_counter() - t0
         dist.all_reduce(comm_t, op=dist.ReduceOp.MAX)
         torch_hook = _torch_hook_bytes(model, ctx, bucket_cap_mb, data[0])
@@ -332,8 +327,8 @@ def run(nprocs: tuple[int, ...] = (2, 4), *, quick: bool = False, model: dict[st
     """
     from lslm.dist.launch import launch
 
-    if bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+    for mb in (bucket_cap_mb, *(sweep_mb or ())):
+        cap_bytes(mb)  # before any process starts
     for n in nprocs:
         if not isinstance(n, int) or n < 2:
             raise ValueError(f"world sizes must be ints >= 2 (data parallelism needs peers), got {n!r}")

@@ -30,6 +30,7 @@ from lslm.data_parallel.dp_comm import chunk_sizes
 from lslm.data_parallel.dp_ledger import TransferLedger
 from lslm.data_parallel.dp_replicate import replicate
 from lslm.data_parallel.single_process import DataParallel, gpt_token_loss, to_devices
+from lslm.dist.runtime import synchronize
 
 __all__ = ["BlasForward", "LaunchAndWaitForward", "PythonLoopForward", "TinyOpsForward", "busiest_device_bytes",
            "gil_benchmark", "measure_step", "replicate_cost", "theory_step_bytes"]
@@ -61,12 +62,6 @@ def theory_step_bytes(*, param_bytes: int, batch: int, n: int, input_row_bytes: 
     return out
 
 
-def _sync(devices: Sequence[torch.device]) -> None:
-    for d in set(devices):
-        if d.type == "cuda":
-            torch.cuda.synchronize(d)
-
-
 def measure_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
                  devices: Sequence[torch.device | str], *, parallel_loss: bool,
                  output_device: torch.device | str | None = None) -> dict[str, Any]:
@@ -81,7 +76,7 @@ def measure_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
     dp = DataParallel(model, devs, output_device, parallel_criterion=gpt_token_loss if parallel_loss else None)
     model.zero_grad(set_to_none=True)
     cuda = sorted({d for d in devs + [dp.output_device] if d.type == "cuda"}, key=str)
-    _sync(cuda)
+    synchronize(*cuda)
     for d in cuda:
         torch.cuda.reset_peak_memory_stats(d)
     if parallel_loss:
@@ -90,7 +85,7 @@ def measure_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
         logits, _ = dp(idx)
         loss = gpt_token_loss(logits, targets.to(logits.device))
     loss.backward()
-    _sync(cuda)
+    synchronize(*cuda)
     out_place = next((i for i, d in enumerate(devs) if d == dp.output_device), "out")
     return {
         "loss": loss.item(),
@@ -238,10 +233,10 @@ def _median_time(fn: Callable[[], Any], devices: Sequence[torch.device], repeats
     fn()  # warm-up
     times = []
     for _ in range(repeats):
-        _sync(devices)
+        synchronize(*devices)
         t0 = time.perf_counter()
         fn()
-        _sync(devices)
+        synchronize(*devices)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

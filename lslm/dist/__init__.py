@@ -13,10 +13,12 @@ from lslm.dist.grid import Coords, RankGrid, resolve_sizes
 from lslm.dist.launch import LaunchError, LaunchResults, LaunchTimeout, launch, torchrun_command
 from lslm.dist.ledger import Comm, CommLedger, CommRecord, bus_factor
 from lslm.dist.printing import progress, rank_print
-from lslm.dist.runtime import RankEnv, choose_device_and_backend, free_port, init_distributed, seed_everything
+from lslm.dist.runtime import (RankEnv, choose_device_and_backend, free_port, init_distributed, seed_everything,
+                               synchronize)
 
 __all__ = [
     "Comm", "CommLedger", "CommRecord", "Coords", "LaunchError", "LaunchResults", "LaunchTimeout",
     "ParallelContext", "RankEnv", "RankGrid", "bus_factor", "choose_device_and_backend", "free_port",
-    "init_distributed", "launch", "progress", "rank_print", "resolve_sizes", "seed_everything", "torchrun_command",
+    "init_distributed", "launch", "progress", "rank_print", "resolve_sizes", "seed_everything", "synchronize",
+    "torchrun_command",
 ]

@@ -95,17 +95,27 @@ class CommLedger:
         with self._lock:
             self.records.clear()
 
-    def total_bytes(self, op: str | None = None) -> int:
-        """Sum of ``nbytes`` over all records, or over one op."""
-        return sum(r.nbytes for r in self.records if op is None or r.op == op)
+    def select(self, op: str | None = None, tag: str | None = None, since: int = 0) -> list[CommRecord]:
+        """The records from index ``since`` on (``len(records)`` taken earlier), of one op and/or one tag.
 
-    def total_bus_bytes(self, op: str | None = None) -> float:
-        """Sum of ``bus_bytes`` over all records, or over one op."""
-        return sum(r.bus_bytes for r in self.records if op is None or r.op == op)
+        ``None`` matches any op or tag. Counting "what this step sent" is
+        ``since=len(ledger.records)`` read before the step.
+        """
+        with self._lock:
+            recs = self.records[since:]
+        return [r for r in recs if (op is None or r.op == op) and (tag is None or r.tag == tag)]
 
-    def calls(self, op: str | None = None) -> int:
-        """Number of calls, of all ops or of one op."""
-        return sum(1 for r in self.records if op is None or r.op == op)
+    def total_bytes(self, op: str | None = None, tag: str | None = None, since: int = 0) -> int:
+        """Sum of ``nbytes`` over the records :meth:`select` picks (default: all)."""
+        return sum(r.nbytes for r in self.select(op, tag, since))
+
+    def total_bus_bytes(self, op: str | None = None, tag: str | None = None, since: int = 0) -> float:
+        """Sum of ``bus_bytes`` over the records :meth:`select` picks (default: all)."""
+        return sum(r.bus_bytes for r in self.select(op, tag, since))
+
+    def calls(self, op: str | None = None, tag: str | None = None, since: int = 0) -> int:
+        """Number of calls among the records :meth:`select` picks (default: all)."""
+        return len(self.select(op, tag, since))
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per op: ``{"calls", "bytes", "bus_bytes"}`` - JSON-ready, one per rank."""

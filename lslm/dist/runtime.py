@@ -94,6 +94,17 @@ def choose_device_and_backend(local_rank: int, local_world_size: int, backend: s
     return torch.device("cpu"), backend or "gloo"
 
 
+def synchronize(*devices: torch.device) -> None:
+    """Wait until the queued work of every CUDA device among ``devices`` is done (no-op on CPU).
+
+    Host timers around asynchronous CUDA kernels need it; CPU ops are synchronous, so
+    the CPU path never touches ``torch.cuda``.
+    """
+    for d in set(devices):
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy (if present) and torch (all devices) with ``seed``."""
     random.seed(seed)

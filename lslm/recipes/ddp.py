@@ -72,6 +72,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lslm.data.corpus import atomic_write_bytes
 from lslm.data.dataset import token_blocks
 from lslm.data.sampler import SAMPLERS, BaselineOrderSampler, make_sampler
+from lslm.data_parallel.ddp import GRAD_TAG, VARIANTS, cap_bytes, make_ddp
 from lslm.dist import init_distributed, rank_print
 from lslm.dist.context import ParallelContext
 from lslm.metrics.memory import memory_report
@@ -81,16 +82,8 @@ __all__ = ["DDPConfig", "BaselineOrderSampler", "MODELS", "SAMPLERS", "check_con
            "model_loss", "worker", "run", "main", "GRAD_TAG"]
 
 MODELS = ("gpt", "hf_gpt2")
-#: Ledger tag of the gradient all-reduces (set by lslm.data_parallel.ddp).
-GRAD_TAG = "ddp-grad"
 #: Ledger tag of this recipe's own end-of-run reporting collectives.
 REPORT_TAG = "report"
-
-
-def _variants() -> tuple[str, ...]:
-    from lslm.data_parallel.ddp import VARIANTS
-
-    return tuple(VARIANTS)
 
 
 @dataclass
@@ -117,14 +110,13 @@ class DDPConfig(TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.variant not in _variants():
-            raise ValueError(f"unknown variant {self.variant!r}; expected one of {_variants()}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown variant {self.variant!r}; expected one of {tuple(VARIANTS)}")
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; expected one of {MODELS}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"unknown sampler {self.sampler!r}; expected one of {SAMPLERS}")
-        if not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+        cap_bytes(self.bucket_cap_mb)  # the wrappers' own check, here before any process starts
         if not isinstance(self.grad_accum, int) or isinstance(self.grad_accum, bool) or self.grad_accum < 1:
             raise ValueError(f"DDPConfig.grad_accum must be a positive int, got {self.grad_accum!r}")
         if not isinstance(self.threads, int) or self.threads < 0:
@@ -179,14 +171,7 @@ def _batches(loader: DataLoader, sampler: DistributedSampler) -> Iterator[torch.
         epoch += 1
 
 
-def _grad_bytes_logged(ledger: Any, start: int) -> tuple[int, int]:
-    recs = [r for r in ledger.records[start:] if r.tag == GRAD_TAG and r.op == "all_reduce"]
-    return sum(r.nbytes for r in recs), len(recs)
-
-
 def _train(cfg: DDPConfig, ctx: ParallelContext) -> dict[str, Any]:
-    from lslm.data_parallel.ddp import make_ddp
-
     world, rank = ctx.dp_size, ctx.dp_rank
     micro = check_config(cfg, world)
     if cfg.threads:
@@ -244,7 +229,8 @@ def _train(cfg: DDPConfig, ctx: ParallelContext) -> dict[str, Any]:
         optimizer.step()
         value = loss.item()  # waits for the device: t3 is the real end of the step
         t3 = time.perf_counter()
-        nbytes, calls = _grad_bytes_logged(ledger, n_records)
+        nbytes = ledger.total_bytes("all_reduce", tag=GRAD_TAG, since=n_records)
+        calls = ledger.calls("all_reduce", tag=GRAD_TAG, since=n_records)
         ledger.reset()  # counted; a long run must not grow the ledger without bound
         rec["local_losses"].append(value)
         rec["step_s"].append(t3 - t0)
@@ -305,8 +291,7 @@ def worker(**kwargs: Any) -> dict[str, Any]:
     cfg = DDPConfig(**kwargs)
     device = None if cfg.device == "auto" else cfg.device
     with init_distributed(device=device, seed=cfg.seed) as ctx:
-        check_config(cfg, ctx.dp_size)
-        result = _train(cfg, ctx)
+        result = _train(cfg, ctx)  # checks cfg against this world size first
         if cfg.out:
             _write_log(cfg, ctx, result)
         return result
@@ -325,7 +310,6 @@ def compare(runs: list[dict[str, Any]], **common: Any) -> list[dict[str, Any]]:
     with init_distributed(device=device, seed=cfgs[0].seed) as ctx:
         records = []
         for cfg in cfgs:
-            check_config(cfg, ctx.dp_size)
             ctx.comm.ledger.reset()
             records.append(_train(cfg, ctx))
         return records
@@ -378,7 +362,7 @@ def _parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
         else:
             kind = str if f.name == "out" else type(default)
-            choices = {"variant": _variants(), "model": MODELS, "sampler": SAMPLERS}.get(f.name)
+            choices = {"variant": tuple(VARIANTS), "model": MODELS, "sampler": SAMPLERS}.get(f.name)
             parser.add_argument(flag, dest=f.name, type=kind, default=default, choices=choices,
                                 help=f"(default: {default})")
     return parser
