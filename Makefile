@@ -1,7 +1,7 @@
 # The course's commands. Everything runs inside .venv, created on first use.
 #
 #   make lab      install if needed, open JupyterLab on notebooks/
-#   make test     install if needed, run the whole test suite (notebooks included)
+#   make test     install if needed, lint (ruff), run the whole test suite (notebooks included)
 #
 # Variables (override on the command line, e.g. `make lab PORT=9999`):
 #   PYTHON       interpreter used to create .venv (Python >= 3.10)
@@ -24,7 +24,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.lslm-installed
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup lab test notebooks doctor clean
+.PHONY: setup lab test lint notebooks doctor clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "lslm needs Python >= 3.10; set PYTHON=python3.x")'
@@ -38,8 +38,12 @@ setup: $(STAMP)
 lab: setup
 	$(BIN)/jupyter lab --notebook-dir=notebooks --port=$(PORT) $(ROOT_FLAG) $(LAB_ARGS)
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# ruff (configured in pyproject.toml) over the package, tests and image scripts; runs first in `make test`.
+lint: setup
+	$(BIN)/python -m ruff check .
 
 # Re-execute every notebook in place (outputs committed, so readers see results first).
 notebooks: setup

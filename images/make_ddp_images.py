@@ -15,8 +15,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
-from diagram import arrow as _arrow, box as _box  # noqa: E402  (images/diagram.py)
+from diagram import arrow as _arrow  # noqa: E402  (images/diagram.py)
+from diagram import box as _box
 
 HERE = Path(__file__).resolve().parent
 BLUE, ORANGE, GREEN, RED, GREY = "#8ecae6", "#ffb703", "#90be6d", "#f28482", "#e9ecef"

@@ -16,7 +16,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
 from diagram import arrow, box  # noqa: E402  (images/diagram.py)
 
 HERE = Path(__file__).resolve().parent

@@ -8,9 +8,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyBboxPatch  # noqa: E402
-
 from diagram import box  # noqa: E402  (images/diagram.py)
+from matplotlib.patches import FancyBboxPatch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -70,7 +69,8 @@ def collectives_overview(path: Path) -> None:
     total = ("Σx", "#cdb4db")
     panels = {
         "broadcast (root r0)": (whole[:1] + empty[1:], [[("x0", c[0])]] * n),
-        "scatter (root r0)": ([[(f"x0{j}", c[0]) for j in range(n)]] + empty[1:], [[(f"x0{r}", c[0])] for r in range(n)]),
+        "scatter (root r0)": ([[(f"x0{j}", c[0]) for j in range(n)]] + empty[1:],
+                              [[(f"x0{r}", c[0])] for r in range(n)]),
         "gather (root r0)": (whole, [[(f"x{j}", c[j]) for j in range(n)]] + empty[1:]),
         "reduce (root r0)": (whole, [[total]] + empty[1:]),
         "all-gather": (whole, [[(f"x{j}", c[j]) for j in range(n)]] * n),
@@ -87,7 +87,8 @@ def collectives_overview(path: Path) -> None:
         _rank_column(ax, 2.6, after, "after")
         ax.annotate("", xy=(2.5, 2.0), xytext=(2.0, 2.0), arrowprops={"arrowstyle": "->", "lw": 1.2})
         ax.set_title(name, fontsize=10, weight="bold")
-    fig.suptitle("The eight collectives on 4 ranks (xij: chunk j of rank i's data; Σx: sum over ranks; Σx·j: its chunk j)", fontsize=11)
+    fig.suptitle("The eight collectives on 4 ranks "
+                 "(xij: chunk j of rank i's data; Σx: sum over ranks; Σx·j: its chunk j)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

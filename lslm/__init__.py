@@ -1,7 +1,7 @@
 """lslm: large-scale language-model training, implemented from scratch and measured.
 
 The package behind the course notebooks. Each subpackage is one chapter:
-``lslm.dist`` (runtime, launch, comm ledger), ``lslm.metrics`` (memory),
+``lslm.runtime`` (runtime, launch, comm ledger), ``lslm.metrics`` (memory),
 ``lslm.data`` (corpus, tokenizer, datasets), ``lslm.models`` (a small GPT and
 Hugging Face builders), ``lslm.recipes`` (runnable workers).
 """
@@ -17,5 +17,5 @@ def __getattr__(name: str) -> Any:
     if name in __all__:
         import importlib
 
-        return getattr(importlib.import_module("lslm.dist.launch"), name)
+        return getattr(importlib.import_module("lslm.runtime.launch"), name)
     raise AttributeError(f"module 'lslm' has no attribute {name!r}")

@@ -44,7 +44,7 @@ def doctor_report() -> dict[str, Any]:
 def doctor(nproc: int = 2, timeout: float = 120.0) -> bool:
     """Print the machine report, run an ``nproc``-process smoke job through ``lslm.launch``,
     and end with one ``lslm doctor: OK`` or ``lslm doctor: FAIL (...)`` line. Returns success."""
-    from lslm.dist.launch import LaunchError, launch
+    from lslm.runtime.launch import LaunchError, launch
 
     rep = doctor_report()
     print(f"python       {rep['python']}  ({rep['platform']})")
@@ -60,7 +60,7 @@ def doctor(nproc: int = 2, timeout: float = 120.0) -> bool:
     print(f"smoke job    {nproc} processes: init, all_reduce, barrier ...")
     start = time.perf_counter()
     try:
-        results = launch("lslm.recipes.smoke:worker", nproc=nproc, timeout=timeout, output="none", numel=1024)
+        results = launch("lslm.demos.smoke:worker", nproc=nproc, timeout=timeout, output="none", numel=1024)
     except (LaunchError, ValueError) as exc:
         print(f"lslm doctor: FAIL (smoke job: {str(exc).splitlines()[0]})")
         return False
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(str(exc))
         return 0
     if ns.command == "launch":
-        from lslm.dist.launch import LaunchError, launch
+        from lslm.runtime.launch import LaunchError, launch
 
         kwargs = {}
         for item in ns.args:

@@ -8,15 +8,23 @@ those with the formulas of ``lslm.collectives.ALGORITHMS``.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from lslm.collectives import (ALGORITHMS, CHECK_TAG, CollectiveError, TIMEOUT_HINT, all_reduce_ring, chunk_bounds,
-                              group_view)
-from lslm.dist import Comm, init_distributed
+from lslm.collectives import (
+    ALGORITHMS,
+    CHECK_LABEL,
+    TIMEOUT_HINT,
+    CollectiveError,
+    all_reduce_ring,
+    chunk_bounds,
+    group_view,
+)
+from lslm.runtime import Comm, init_distributed
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
 TORCH_OPS = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN, "prod": ReduceOp.PRODUCT}
@@ -40,7 +48,7 @@ def _ledger_bytes(comm: Comm) -> list[int]:
     """[data sent, data received, check sent, check received] since the last reset."""
     out = [0, 0, 0, 0]
     for rec in comm.ledger.records:
-        col = (0 if rec.op == "send" else 1) + (2 if rec.tag == CHECK_TAG else 0)
+        col = (0 if rec.op == "send" else 1) + (2 if rec.label == CHECK_LABEL else 0)
         out[col] += rec.nbytes
     return out
 

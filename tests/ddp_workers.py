@@ -9,14 +9,15 @@ whole global batch): cheaper than shipping tensors around.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from lslm.data_parallel.ddp import BROADCAST_TAG, GRAD_TAG, VARIANTS, first_mismatch, make_ddp
-from lslm.dist import init_distributed
+from lslm.data_parallel.ddp import BROADCAST_LABEL, GRAD_LABEL, VARIANTS, first_mismatch, make_ddp
 from lslm.models.gpt import GPT, GPTConfig
+from lslm.runtime import init_distributed
 
 T = 16  # tokens per row
 ROWS = 2  # rows per rank per micro-batch
@@ -57,8 +58,8 @@ def reference_params(steps: int, world: int, accum: int, device: torch.device) -
 
 
 def _grad_bytes(ledger: Any, start: int) -> tuple[int, int]:
-    return (ledger.total_bytes("all_reduce", tag=GRAD_TAG, since=start),
-            ledger.calls("all_reduce", tag=GRAD_TAG, since=start))
+    return (ledger.total_bytes("all_reduce", label=GRAD_LABEL, since=start),
+            ledger.calls("all_reduce", label=GRAD_LABEL, since=start))
 
 
 def train_ddp(ctx: Any, variant: str, steps: int, accum: int, cap_mb: float, ledger_hook: bool = False,
@@ -70,7 +71,7 @@ def train_ddp(ctx: Any, variant: str, steps: int, accum: int, cap_mb: float, led
     ledger = ctx.comm.ledger
     start = len(ledger.records)
     ddp = make_ddp(model, ctx, variant=variant, bucket_cap_mb=cap_mb, record_timeline=record_timeline)
-    bcast = ledger.total_bytes(tag=BROADCAST_TAG, since=start)
+    bcast = ledger.total_bytes(label=BROADCAST_LABEL, since=start)
     if ledger_hook:
         ddp.use_ledger_comm_hook()
     opt = _optimizer(ddp.module)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lslm.dist.launch import LaunchResults, launch
+from lslm.runtime.launch import LaunchResults, launch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

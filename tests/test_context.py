@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lslm.dist.grid import RankGrid
-from lslm.dist.ledger import CommLedger, CommRecord
+from lslm.runtime.grid import RankGrid
+from lslm.runtime.ledger import CommLedger, CommRecord
 from tests.helpers import run_workers
 
 
@@ -45,20 +45,20 @@ def test_ledger_records_exact_bytes(nproc: int) -> None:
 
 def test_ledger_selects_by_op_tag_and_start() -> None:
     ledger = CommLedger()
-    for op, nbytes, tag in (("broadcast", 8, "bcast"), ("all_reduce", 100, "g"), ("all_reduce", 40, "other"),
+    for op, nbytes, label in (("broadcast", 8, "bcast"), ("all_reduce", 100, "g"), ("all_reduce", 40, "other"),
                             ("all_reduce", 60, "g")):
-        ledger.record(CommRecord(op, nbytes, group_size=2, tag=tag))
+        ledger.record(CommRecord(op, nbytes, group_size=2, label=label))
     assert ledger.total_bytes() == 208 and ledger.calls() == 4
-    assert ledger.total_bytes("all_reduce", tag="g") == 160 and ledger.calls("all_reduce", tag="g") == 2
-    assert ledger.total_bytes(tag="g", since=2) == 60 and ledger.calls(since=2) == 2
-    assert ledger.total_bus_bytes("all_reduce", tag="g") == 160  # ring, n = 2: 2(n-1)/n = 1 byte per byte
-    assert [r.nbytes for r in ledger.select(tag="bcast")] == [8]
+    assert ledger.total_bytes("all_reduce", label="g") == 160 and ledger.calls("all_reduce", label="g") == 2
+    assert ledger.total_bytes(label="g", since=2) == 60 and ledger.calls(since=2) == 2
+    assert ledger.total_bus_bytes("all_reduce", label="g") == 160  # ring, n = 2: 2(n-1)/n = 1 byte per byte
+    assert [r.nbytes for r in ledger.select(label="bcast")] == [8]
 
 
 def test_synchronize_never_touches_cuda_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from lslm.dist import synchronize
+    from lslm.runtime import synchronize
 
     def boom(*_: object) -> None:
         raise AssertionError("torch.cuda.synchronize reached on the CPU path")

@@ -13,13 +13,19 @@ import pytest
 import torch
 from torch import nn
 
-from lslm.data_parallel.dp_apply import ReplicaError, parallel_apply
-from lslm.data_parallel.dp_comm import chunk_sizes
-from lslm.data_parallel.dp_ledger import TransferLedger
-from lslm.data_parallel.dp_measure import (PythonLoopForward, busiest_device_bytes, gil_benchmark, measure_step,
-                                           replicate_cost, theory_step_bytes)
-from lslm.data_parallel.dp_replicate import replicate
 from lslm.data_parallel.single_process import DataParallel, gpt_token_loss
+from lslm.data_parallel.single_process.apply import ReplicaError, parallel_apply
+from lslm.data_parallel.single_process.comm import chunk_sizes
+from lslm.data_parallel.single_process.ledger import TransferLedger
+from lslm.data_parallel.single_process.measure import (
+    PythonLoopForward,
+    busiest_device_bytes,
+    gil_benchmark,
+    measure_step,
+    replicate_cost,
+    theory_step_bytes,
+)
+from lslm.data_parallel.single_process.replicate import replicate
 from lslm.models.gpt import GPT, GPTConfig
 
 TOL = dict(atol=1e-6, rtol=1e-5)
@@ -48,7 +54,7 @@ def _reference(model: nn.Module, idx: torch.Tensor, y: torch.Tensor) -> tuple[to
 def _assert_grads(model: nn.Module, ref: dict) -> None:
     for name, p in model.named_parameters():
         assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, ref[name], **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, ref[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("n, batch", [(2, 4), (2, 5), (3, 7), (3, 3)])
@@ -110,7 +116,7 @@ def test_training_steps_match_serial() -> None:
             opt.step()
         torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
     for (name, a), b in zip(serial.named_parameters(), parallel.parameters()):
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_float_input_gradient_flows_back_through_scatter() -> None:
@@ -285,7 +291,7 @@ def test_cuda_devices_match_and_report_peak_memory() -> None:
 
 
 def test_demo_recipe_cli(capsys: pytest.CaptureFixture[str]) -> None:
-    from lslm.recipes.data_parallel_demo import main
+    from lslm.demos.data_parallel_demo import main
 
     record = main(["--devices", "cpu,cpu,cpu", "--batch", "4", "--seq", "16", "--repeats", "1"])
     assert max(record["check"].values()) <= 1e-6

@@ -17,8 +17,17 @@ import pytest
 import torch
 from torch import nn
 
-from lslm.data_parallel.ddp import (VARIANTS, BucketedDDP, FusedDDP, NaiveDDP, TorchDDP, cap_bytes, make_ddp,
-                                    plan_buckets, tensor_digest)
+from lslm.data_parallel.ddp import (
+    VARIANTS,
+    BucketedDDP,
+    FusedDDP,
+    NaiveDDP,
+    TorchDDP,
+    cap_bytes,
+    make_ddp,
+    plan_buckets,
+    tensor_digest,
+)
 from lslm.models.gpt import GPT, GPTConfig
 from tests.helpers import run_workers
 
@@ -31,7 +40,7 @@ ATOL = 1e-6
 OURS = ("naive", "fused", "bucketed")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _suite(nproc: int) -> tuple[dict[str, Any], ...]:
     return tuple(run_workers("tests.ddp_workers:suite", nproc, timeout=300))
 

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from lslm.dist.grid import Coords, RankGrid, resolve_sizes
+from lslm.runtime.grid import Coords, RankGrid, resolve_sizes
 
 
 @pytest.mark.parametrize("world,tp,pp", [(1, 1, 1), (2, 2, 1), (2, 1, 2), (4, 2, 2), (8, 2, 2), (8, 4, 1),

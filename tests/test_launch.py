@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from lslm.dist.launch import LaunchError, LaunchTimeout, launch
+from lslm.runtime.launch import LaunchError, LaunchTimeout, launch
 from tests.helpers import run_workers
 
 
@@ -21,13 +21,13 @@ def _lslm_workers_alive(marker: str) -> list[psutil.Process]:
     alive = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info.get("cmdline") or [])
-        if "lslm.dist.worker" in cmd and marker in cmd:
+        if "lslm.runtime.worker" in cmd and marker in cmd:
             alive.append(p)
     return alive
 
 
 def test_results_come_back_per_rank() -> None:
-    res = run_workers("lslm.recipes.smoke:worker", 2, numel=256)
+    res = run_workers("lslm.demos.smoke:worker", 2, numel=256)
     assert [r["rank"] for r in res] == [0, 1]
     assert all(r["ok"] for r in res)
     assert all(r["backend"] == "gloo" and r["device"] == "cpu" for r in res)
@@ -39,7 +39,7 @@ def test_failure_on_rank1_raises_with_its_traceback_and_leaves_no_process() -> N
     before = _descendants()
     start = time.perf_counter()
     with pytest.raises(LaunchError) as info:
-        run_workers("lslm.recipes.smoke:fail_on_rank", 2, timeout=120, rank=1, message="boom-7f3a")
+        run_workers("lslm.demos.smoke:fail_on_rank", 2, timeout=120, rank=1, message="boom-7f3a")
     elapsed = time.perf_counter() - start
     assert elapsed < 30, f"failure took {elapsed:.1f} s to surface"
     err = info.value
@@ -55,7 +55,7 @@ def test_timeout_kills_everything() -> None:
     before = _descendants()
     start = time.perf_counter()
     with pytest.raises(LaunchTimeout, match="did not finish within 8 s"):
-        run_workers("lslm.recipes.smoke:sleep_forever", 2, timeout=8)
+        run_workers("lslm.demos.smoke:sleep_forever", 2, timeout=8)
     assert time.perf_counter() - start < 20
     time.sleep(0.5)
     assert _descendants() - before == set()
@@ -67,7 +67,7 @@ def test_two_concurrent_launches_do_not_collide() -> None:
 
     def go(i: int) -> None:
         try:
-            results[i] = run_workers("lslm.recipes.smoke:worker", 2, numel=16 + i)
+            results[i] = run_workers("lslm.demos.smoke:worker", 2, numel=16 + i)
         except Exception as exc:  # noqa: BLE001 - recorded and asserted below
             results[i] = exc
 
@@ -100,14 +100,14 @@ def test_bad_input_fails_before_any_process_starts(kwargs: dict, needle: str) ->
     before = _descendants()
     start = time.perf_counter()
     with pytest.raises(ValueError, match=needle):
-        launch("lslm.recipes.smoke:worker", **kwargs)
+        launch("lslm.demos.smoke:worker", **kwargs)
     assert time.perf_counter() - start < 2
     assert _descendants() - before == set()
 
 
 @pytest.mark.parametrize("target,needle", [
     ("lslm.recipes.no_such_module:worker", "no module named 'lslm.recipes.no_such_module'"),
-    ("lslm.recipes.smoke:no_such_function", "has no function 'no_such_function'"),
+    ("lslm.demos.smoke:no_such_function", "has no function 'no_such_function'"),
     ("", "target must be"),
 ])
 def test_unknown_target(target: str, needle: str) -> None:
@@ -124,7 +124,7 @@ def test_cell_defined_function_is_refused_with_a_hint() -> None:
 
 
 def test_module_level_function_object_is_accepted() -> None:
-    from lslm.recipes.smoke import echo
+    from lslm.demos.smoke import echo
 
     res = run_workers(echo.__module__ + ":echo", 2, a=1)
     assert [r["rank"] for r in res] == [0, 1] and res[1]["args"] == {"a": 1}
@@ -133,16 +133,16 @@ def test_module_level_function_object_is_accepted() -> None:
 
 
 def test_output_is_rank_prefixed(capsys: pytest.CaptureFixture[str]) -> None:
-    launch("lslm.recipes.smoke:worker", nproc=2, output="all", numel=8)
+    launch("lslm.demos.smoke:worker", nproc=2, output="all", numel=8)
     out = capsys.readouterr().out
     assert "[rank 0] all_reduce of 8 ones over 2 ranks -> 2 (ok)" in out
-    launch("lslm.recipes.smoke:sleep_forever", nproc=2, output="rank0", seconds=0.1)
+    launch("lslm.demos.smoke:sleep_forever", nproc=2, output="rank0", seconds=0.1)
     out = capsys.readouterr().out
     assert "[rank 0] sleeping 0.1 s" in out and "[rank 1]" not in out
 
 
 def test_two_nodes_of_two_processes() -> None:
-    res = run_workers("lslm.recipes.smoke:worker", 2, nnodes=2, timeout=180)
+    res = run_workers("lslm.demos.smoke:worker", 2, nnodes=2, timeout=180)
     assert len(res) == 4
     assert sorted(r["rank"] for r in res) == [0, 1, 2, 3]
     assert all(r["ok"] and r["world_size"] == 4 for r in res)

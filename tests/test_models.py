@@ -12,7 +12,6 @@ import torch
 from lslm.models import GPT, GPTConfig, build_hf_gpt2, build_hf_llama
 from lslm.recipes.train import TrainConfig, main, train
 
-
 pytestmark = pytest.mark.usefixtures("lslm_cache")  # conftest.py: a per-session cache, never ~/.cache
 
 

@@ -9,14 +9,14 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 import urllib.request
 from pathlib import Path
 
 import psutil
+import tomllib
 import yaml
 
-from lslm.dist.runtime import free_port
+from lslm.runtime.startup import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,6 @@ import pytest
 from lslm.data.corpus import load_corpus_text
 from lslm.data.tokenizer import EOT_TOKEN, get_tokenizer, tokenizer_path, train_tokenizer
 
-
 pytestmark = pytest.mark.usefixtures("lslm_cache")  # conftest.py: a per-session cache, never ~/.cache
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lslm.dist import init_distributed
+from lslm.runtime import init_distributed
 
 
 def group_members(tp: int = 1, pp: int = 1) -> dict[str, Any]:

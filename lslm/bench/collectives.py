@@ -5,7 +5,7 @@ algorithm, each rank runs ``warmup`` untimed calls, then ``repeats`` timed calls
 each preceded by a barrier. A call's time is the *slowest* rank's (an all-reduce
 MAX of the per-rank times); we report the median over repeats. Bandwidths use the
 nccl-tests definitions: ``algbw = S / t`` and ``busbw = algbw x factor``, with the
-factor of :func:`lslm.dist.ledger.bus_factor` (2(n-1)/n for all-reduce, (n-1)/n
+factor of :func:`lslm.runtime.ledger.bus_factor` (2(n-1)/n for all-reduce, (n-1)/n
 for all-gather/reduce-scatter/all-to-all/scatter/gather, 1 for broadcast/reduce),
 so busbw is comparable across collectives and world sizes.
 
@@ -25,8 +25,9 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -115,8 +116,8 @@ def _case(kind: str, name: str, size: int, n: int, rank: int, comm: Any) -> Call
 
 def worker(sizes: list[int], repeats: int = 5, warmup: int = 2, kinds: list[str] | None = None) -> dict[str, Any]:
     """One rank of the benchmark; rank 0 returns every row (others return their rank only)."""
-    from lslm.dist import init_distributed
-    from lslm.dist.ledger import bus_factor
+    from lslm.runtime import init_distributed
+    from lslm.runtime.ledger import bus_factor
 
     rows = []
     with init_distributed() as ctx:
@@ -230,7 +231,7 @@ def run(nprocs: tuple[int, ...] = (2, 4), sizes: tuple[int, ...] = DEFAULT_SIZES
         warmup: int = 2, out_dir: str | Path | None = "bench/results", kinds: list[str] | None = None,
         timeout: float = 900.0) -> dict[int, dict[str, Any]]:
     """Launch the benchmark at each world size, fit the model, print the table, write JSON and PNG."""
-    from lslm.dist.launch import launch
+    from lslm.runtime.launch import launch
 
     results: dict[int, dict[str, Any]] = {}
     for n in nprocs:

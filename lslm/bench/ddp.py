@@ -36,7 +36,7 @@ and communication fought over the CPU cores). Its caveat: communication that
 overlaps backward also slows backward down on a machine with few cores; that cost
 appears in ``compute`` and in ``step - local``, not in ``E``.
 
-**Bytes.** For the lslm variants the comm ledger (tag ``"ddp-grad"``) must show,
+**Bytes.** For the lslm variants the comm ledger (label ``"ddp-grad"``) must show,
 in *every* timed step, exactly the gradient bytes (``4 x number of parameters`` in
 fp32) all-reduced; ``ledger_exact`` records that. torch's C++ reducer bypasses the
 ledger, so after timing a separate torch DDP copy gets a comm hook that
@@ -57,8 +57,8 @@ import torch
 import torch.distributed as dist
 
 from lslm.bench.results import write_results
-from lslm.data_parallel.ddp import GRAD_TAG, cap_bytes
-from lslm.dist.runtime import synchronize
+from lslm.data_parallel.ddp import GRAD_LABEL, cap_bytes
+from lslm.runtime.startup import synchronize
 
 MIB = 1024 * 1024
 #: 4 blocks of width 256: 3.7 M parameters, 14.1 MiB of fp32 gradients; forward +
@@ -91,8 +91,8 @@ def _torch_hook_bytes(model_cfg: dict[str, Any], ctx: Any, bucket_cap_mb: float,
         model_loss(ddp, x, y).backward()
         ddp.finish_grad_sync()
         synchronize(ctx.device)
-        out.append((ledger.total_bytes("all_reduce", tag=GRAD_TAG, since=start),
-                    ledger.calls("all_reduce", tag=GRAD_TAG, since=start)))
+        out.append((ledger.total_bytes("all_reduce", label=GRAD_LABEL, since=start),
+                    ledger.calls("all_reduce", label=GRAD_LABEL, since=start)))
     return out
 
 
@@ -118,9 +118,9 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
     from lslm.data.dataset import token_blocks
     from lslm.data.sampler import make_sampler
     from lslm.data_parallel.ddp import make_ddp
-    from lslm.dist import init_distributed
     from lslm.models.gpt import GPT, GPTConfig
     from lslm.recipes.ddp import model_loss
+    from lslm.runtime import init_distributed
 
     with init_distributed(seed=seed) as ctx:
         torch.set_num_threads(threads)
@@ -168,7 +168,7 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
         times = torch.zeros(len(entries), steps, 4, dtype=torch.float64)  # step, compute, exposed, optimizer
         grad_bytes_seen = [[0] * steps for _ in entries]
         for it in range(warmup + steps):
-            for e, (variant, mb, net, ddp, opt) in enumerate(runs):
+            for e, (_variant, _mb, net, ddp, opt) in enumerate(runs):
                 start = len(ledger.records)
                 m = one_step(net, ddp, opt, data[it])
                 if it >= warmup:
@@ -176,7 +176,7 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
                     times[e, s] = torch.tensor([m["step_end"] - m["t0"], m["backward_end"] - m["t0"],
                                                 m["sync_end"] - m["backward_end"], m["step_end"] - m["sync_end"]],
                                                dtype=torch.float64)
-                    grad_bytes_seen[e][s] = ledger.total_bytes("all_reduce", tag=GRAD_TAG, since=start)
+                    grad_bytes_seen[e][s] = ledger.total_bytes("all_reduce", label=GRAD_LABEL, since=start)
             ledger.reset()  # keep the ledger small; every step was counted above
 
         # One more (untimed) step of the main bucketed entry with its timeline on, for the overlap plot.
@@ -215,7 +215,7 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
 
         rows = []
         num_params = sum(p.numel() for p in bnet.parameters())
-        for e, (variant, mb, net, ddp, _) in enumerate(runs):
+        for e, (variant, mb, _net, ddp, _) in enumerate(runs):
             med = [statistics.median(times[e, :, k].tolist()) for k in range(4)]
             seen = grad_bytes_seen[e]
             grad_bytes = int(ddp.grad_bytes) if ddp is not None else 0
@@ -288,7 +288,8 @@ def print_table(results: dict[int, dict[str, Any]]) -> None:
             print(f"{'':<18} {m:>10g} {b['num_buckets']:>7} {b['step_ms']:>11.1f} {tail}")
         naive = _row(res["rows"], "naive", mb)["step_ms"]
         buck = _row(res["rows"], "bucketed", mb)["step_ms"]
-        print(f"hidden fraction (bucketed, {mb:g} MiB buckets): 1 - exposed {_row(res['rows'], 'bucketed', mb)['exposed_ms']:.1f} ms"
+        exposed = _row(res["rows"], "bucketed", mb)["exposed_ms"]
+        print(f"hidden fraction (bucketed, {mb:g} MiB buckets): 1 - exposed {exposed:.1f} ms"
               f" / all-reduce alone {res['comm_alone_ms']:.1f} ms = {res['hidden_fraction']:.2f}; "
               f"bucketed is {naive / buck:.2f}x faster than naive ({naive - buck:.1f} ms per step)")
 
@@ -325,7 +326,7 @@ def run(nprocs: tuple[int, ...] = (2, 4), *, quick: bool = False, model: dict[st
     notebooks (structure and exact bytes are meaningful, timings are not). ``model``
     overrides the GPT sizes (``GPTConfig`` fields).
     """
-    from lslm.dist.launch import launch
+    from lslm.runtime.launch import launch
 
     for mb in (bucket_cap_mb, *(sweep_mb or ())):
         cap_bytes(mb)  # before any process starts

@@ -12,14 +12,14 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from lslm.dist.launch import launch
+from lslm.runtime.launch import launch
 
 
 def measure(nprocs: tuple[int, ...] = (2, 4), repeats: int = 5) -> list[dict[str, Any]]:
     """Median wall seconds of a trivial launch per world size, for the echo and smoke jobs."""
     rows = []
     for n in nprocs:
-        for job, target in (("echo", "lslm.recipes.smoke:echo"), ("smoke", "lslm.recipes.smoke:worker")):
+        for job, target in (("echo", "lslm.demos.smoke:echo"), ("smoke", "lslm.demos.smoke:worker")):
             walls = [launch(target, nproc=n, output="none").wall_s for _ in range(repeats)]
             rows.append({"nproc": n, "job": job, "median_s": statistics.median(walls), "min_s": min(walls),
                          "max_s": max(walls), "repeats": repeats})

@@ -1,6 +1,6 @@
 """lslm.collectives: every collective built from point-to-point messages only.
 
-Each function sends through a :class:`~lslm.dist.ledger.Comm` (so the ledger
+Each function sends through a :class:`~lslm.runtime.ledger.Comm` (so the ledger
 counts every byte), takes an optional process ``group`` (roots are *global*
 ranks, as in ``torch.distributed``), works for any world size and any length
 (uneven chunks follow the array_split rule), and documents its semantics, its
@@ -24,7 +24,7 @@ the others raise it after the process group's timeout.
 
 from lslm.collectives.all_reduce import all_reduce_reduce_broadcast, all_reduce_ring, all_reduce_tree
 from lslm.collectives.all_to_all import all_to_all_pairwise
-from lslm.collectives.barrier import CHECK_TAG, agree, barrier
+from lslm.collectives.barrier import CHECK_LABEL, agree, barrier
 from lslm.collectives.broadcast import broadcast_flat, broadcast_tree
 from lslm.collectives.p2p import OPS, TIMEOUT_HINT, CollectiveError, chunk_bounds, chunk_sizes, exchange, group_view
 from lslm.collectives.reduce import reduce_tree
@@ -33,7 +33,7 @@ from lslm.collectives.ring import all_gather_ring, reduce_scatter_ring
 from lslm.collectives.scatter_gather import gather, scatter
 
 __all__ = [
-    "ALGORITHMS", "Algorithm", "CHECK_TAG", "CollectiveError", "KINDS", "OPS", "TIMEOUT_HINT", "agree",
+    "ALGORITHMS", "Algorithm", "CHECK_LABEL", "CollectiveError", "KINDS", "OPS", "TIMEOUT_HINT", "agree",
     "all_gather_ring", "all_reduce_reduce_broadcast", "all_reduce_ring", "all_reduce_tree", "all_to_all_pairwise",
     "barrier", "barrier_bytes", "broadcast_flat", "broadcast_tree", "check_bytes", "chunk_bounds", "chunk_sizes",
     "exchange", "gather", "group_view", "reduce_scatter_ring", "reduce_tree", "scatter",

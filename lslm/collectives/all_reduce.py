@@ -22,11 +22,10 @@ import torch
 
 from lslm.collectives.barrier import agree
 from lslm.collectives.broadcast import broadcast_tree_flat
-from lslm.collectives.p2p import (as_flat, check_op, chunk_bounds, combine_, exchange, group_view, resolve,
-                                  write_back)
+from lslm.collectives.p2p import as_flat, check_op, chunk_bounds, combine_, exchange, group_view, resolve, write_back
 from lslm.collectives.reduce import reduce_tree_flat
 from lslm.collectives.ring import ring_all_gather_flat, ring_reduce_scatter_flat
-from lslm.dist.ledger import Comm
+from lslm.runtime.ledger import Comm
 
 
 def all_reduce_reduce_broadcast(tensor: torch.Tensor, op: str = "sum", comm: Comm | None = None, group: Any = None,

@@ -8,7 +8,7 @@ import torch
 
 from lslm.collectives.barrier import agree
 from lslm.collectives.p2p import as_flat, exchange, group_view, resolve, write_back
-from lslm.dist.ledger import Comm
+from lslm.runtime.ledger import Comm
 
 
 def all_to_all_pairwise(output: torch.Tensor, input: torch.Tensor, comm: Comm | None = None, group: Any = None, *,

@@ -24,15 +24,15 @@ from typing import Any
 import torch
 
 from lslm.collectives.p2p import OPS, CollectiveError, GroupView, exchange, group_view, resolve
-from lslm.dist.ledger import Comm
+from lslm.runtime.ledger import Comm
 
-CHECK_TAG = "shape-check"  # ledger tag of the agreement messages (data messages carry the collective's name)
+CHECK_LABEL = "shape-check"  # ledger label of the agreement messages (data messages carry the collective's name)
 _FIELDS = ("collective", "numel", "dtype", "root", "op")
 CHECK_MESSAGE_BYTES = 2 * len(_FIELDS) * 8  # each field and its negation, int64
 BARRIER_MESSAGE_BYTES = 1
 
 
-def dissemination_max(comm: Comm, gv: GroupView, payload: torch.Tensor, name: str, tag: str) -> torch.Tensor:
+def dissemination_max(comm: Comm, gv: GroupView, payload: torch.Tensor, name: str, label: str) -> torch.Tensor:
     """Element-wise max of ``payload`` over the group, in ceil(log2 n) rounds (see module doc).
 
     Each round posts the receive and the send together (:func:`~lslm.collectives.p2p.exchange`),
@@ -43,7 +43,7 @@ def dissemination_max(comm: Comm, gv: GroupView, payload: torch.Tensor, name: st
     incoming = torch.empty_like(payload)
     n, r, k = gv.size, gv.rank, 1
     while k < n:
-        exchange(comm, gv, acc, r + k, incoming, r - k, name, tag)
+        exchange(comm, gv, acc, r + k, incoming, r - k, name, label)
         torch.maximum(acc, incoming, out=acc)
         k <<= 1
     return acc
@@ -86,7 +86,7 @@ def agree(comm: Comm, gv: GroupView, name: str, numel: int, dtype: torch.dtype, 
     """
     fields = torch.tensor([_code(name), numel, _DTYPE_CODES.get(dtype, _code(str(dtype))), root,
                            OPS.index(op) if op is not None else -1], dtype=torch.int64)
-    both = dissemination_max(comm, gv, torch.cat([fields, -fields]), name, CHECK_TAG)
+    both = dissemination_max(comm, gv, torch.cat([fields, -fields]), name, CHECK_LABEL)
     hi, lo = both[: len(_FIELDS)], -both[len(_FIELDS):]
     if torch.equal(hi, lo):
         return

@@ -13,9 +13,19 @@ from typing import Any
 import torch
 
 from lslm.collectives.barrier import agree
-from lslm.collectives.p2p import (GroupView, as_flat, binomial_children, binomial_parent, exchange, group_view,
-                                  recv_all, resolve, send_all, write_back)
-from lslm.dist.ledger import Comm
+from lslm.collectives.p2p import (
+    GroupView,
+    as_flat,
+    binomial_children,
+    binomial_parent,
+    exchange,
+    group_view,
+    recv_all,
+    resolve,
+    send_all,
+    write_back,
+)
+from lslm.runtime.ledger import Comm
 
 
 def broadcast_flat(tensor: torch.Tensor, src: int, comm: Comm | None = None, group: Any = None, *,

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from lslm.collectives.p2p import exchange, group_view
-from lslm.dist.ledger import Comm
-from lslm.dist.runtime import init_distributed
+from lslm.runtime.ledger import Comm
+from lslm.runtime.startup import init_distributed
 
 
 def blocking_ring_exchange(comm: Comm, numel: int, group: Any = None) -> torch.Tensor:
@@ -40,8 +40,8 @@ def blocking_ring_exchange(comm: Comm, numel: int, group: Any = None) -> torch.T
     gv = group_view(group)
     r = gv.rank
     out, inp = torch.full((numel,), float(gv.glob(r))), torch.empty(numel)
-    comm.send(out, gv.glob(r + 1), group=group, tag="blocking_ring")
-    comm.recv(inp, gv.glob(r - 1), group=group, tag="blocking_ring")  # never reached: the send above waits forever
+    comm.send(out, gv.glob(r + 1), group=group, label="blocking_ring")
+    comm.recv(inp, gv.glob(r - 1), group=group, label="blocking_ring")  # never reached: the send above waits forever
     return inp
 
 
@@ -60,11 +60,11 @@ def ordered_ring_exchange(comm: Comm, numel: int, group: Any = None, mode: str =
     if mode == "isend":
         exchange(comm, gv, out, r + 1, inp, r - 1, "ordered_ring")
     elif r % 2 == 0:
-        comm.send(out, right, group=group, tag="ordered_ring")
-        comm.recv(inp, left, group=group, tag="ordered_ring")
+        comm.send(out, right, group=group, label="ordered_ring")
+        comm.recv(inp, left, group=group, label="ordered_ring")
     else:
-        comm.recv(inp, left, group=group, tag="ordered_ring")
-        comm.send(out, right, group=group, tag="ordered_ring")
+        comm.recv(inp, left, group=group, label="ordered_ring")
+        comm.send(out, right, group=group, label="ordered_ring")
     return inp
 
 

@@ -19,13 +19,14 @@ as :class:`CollectiveError`, which names the collective, this rank and the peer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lslm.dist.ledger import Comm
+from lslm.runtime.ledger import Comm
 
 OPS = ("sum", "max", "min", "prod")
 
@@ -75,7 +76,7 @@ def group_view(group: Any = None) -> GroupView:
     this rank is not a member (a non-member has no part to play in a collective).
     """
     if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised: call lslm.dist.init_distributed() first")
+        raise RuntimeError("torch.distributed is not initialised: call lslm.runtime.init_distributed() first")
     pg = dist.group.WORLD if group is None else group
     rank = dist.get_rank(pg)
     if rank < 0:
@@ -152,23 +153,23 @@ def _peer_error(gv: GroupView, name: str, peer: int, kind: str, exc: BaseExcepti
                            f"(group rank {peer % gv.size}): {TIMEOUT_HINT}. The backend said: {exc}")
 
 
-def post(comm: Comm, gv: GroupView, kind: str, t: torch.Tensor, peer: int, name: str, tag: str | None = None) -> Any:
+def post(comm: Comm, gv: GroupView, kind: str, t: torch.Tensor, peer: int, name: str, label: str | None = None) -> Any:
     """isend (``kind="send"``) or irecv ``t`` to/from group rank ``peer``; return the work handle.
 
-    ``name`` (the collective) goes into error messages and, unless ``tag`` is given,
-    into the ledger record's tag. Posting can fail too (gloo notices a closed
+    ``name`` (the collective) goes into error messages and, unless ``label`` is given,
+    into the ledger record's label. Posting can fail too (gloo notices a closed
     connection when it writes), so it is wrapped like a wait.
     """
     try:
         if kind == "send":
-            return comm.isend(t, gv.glob(peer), group=gv.group, tag=tag or name)
-        return comm.irecv(t, gv.glob(peer), group=gv.group, tag=tag or name)
+            return comm.isend(t, gv.glob(peer), group=gv.group, label=label or name)
+        return comm.irecv(t, gv.glob(peer), group=gv.group, label=label or name)
     except RuntimeError as exc:
         raise _peer_error(gv, name, peer, kind, exc) from exc
 
 
 def exchange(comm: Comm, gv: GroupView, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int,
-             name: str, tag: str | None = None) -> None:
+             name: str, label: str | None = None) -> None:
     """Send ``send`` to group rank ``dst`` while receiving ``recv`` from group rank ``src``; wait for both.
 
     The receive is posted first and neither call blocks, so any pattern in which every
@@ -180,9 +181,9 @@ def exchange(comm: Comm, gv: GroupView, send: torch.Tensor | None, dst: int, rec
     """
     pending = []
     if recv is not None and recv.numel() > 0:
-        pending.append((post(comm, gv, "recv", recv, src, name, tag), src, "recv"))
+        pending.append((post(comm, gv, "recv", recv, src, name, label), src, "recv"))
     if send is not None and send.numel() > 0:
-        pending.append((post(comm, gv, "send", send, dst, name, tag), dst, "send"))
+        pending.append((post(comm, gv, "send", send, dst, name, label), dst, "send"))
     wait_all(pending, gv, name)
 
 

@@ -7,9 +7,19 @@ from typing import Any
 import torch
 
 from lslm.collectives.barrier import agree
-from lslm.collectives.p2p import (GroupView, as_flat, binomial_children, binomial_parent, check_op, combine_,
-                                  exchange, group_view, resolve, write_back)
-from lslm.dist.ledger import Comm
+from lslm.collectives.p2p import (
+    GroupView,
+    as_flat,
+    binomial_children,
+    binomial_parent,
+    check_op,
+    combine_,
+    exchange,
+    group_view,
+    resolve,
+    write_back,
+)
+from lslm.runtime.ledger import Comm
 
 
 def reduce_tree_flat(comm: Comm, gv: GroupView, flat: torch.Tensor, root: int, op: str, name: str,

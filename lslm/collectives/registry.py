@@ -17,8 +17,9 @@ rank, tagged ``"shape-check"`` in the ledger. ``sent(..., check=True)`` adds the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from lslm.collectives.all_reduce import all_reduce_reduce_broadcast, all_reduce_ring, all_reduce_tree
 from lslm.collectives.all_to_all import all_to_all_pairwise

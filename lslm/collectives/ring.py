@@ -15,9 +15,20 @@ from typing import Any
 import torch
 
 from lslm.collectives.barrier import agree
-from lslm.collectives.p2p import (GroupView, as_flat, check_op, chunk_bounds, combine_, exchange, group_view, post,
-                                  resolve, wait_all, write_back)
-from lslm.dist.ledger import Comm
+from lslm.collectives.p2p import (
+    GroupView,
+    as_flat,
+    check_op,
+    chunk_bounds,
+    combine_,
+    exchange,
+    group_view,
+    post,
+    resolve,
+    wait_all,
+    write_back,
+)
+from lslm.runtime.ledger import Comm
 
 
 def _piece(flat: torch.Tensor, bounds: list[tuple[int, int]], i: int) -> torch.Tensor:
@@ -84,7 +95,7 @@ def ring_reduce_scatter_flat(comm: Comm, gv: GroupView, flat: torch.Tensor, boun
     for s in range(n - 1):
         incoming = _pieces(bounds, r - s - 2, piece)
 
-        def post_recv(j: int) -> Any:
+        def post_recv(j: int, incoming: list[tuple[int, int]] = incoming) -> Any:
             a, b = incoming[j]
             return post(comm, gv, "recv", bufs[j % len(bufs)][: b - a], r - 1, name)
 

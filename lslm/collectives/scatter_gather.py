@@ -8,13 +8,14 @@ forwarding whole sub-lists; we keep the flat form, the one worth reading first.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from lslm.collectives.barrier import agree
 from lslm.collectives.p2p import as_flat, group_view, recv_all, resolve, send_all, write_back
-from lslm.dist.ledger import Comm
+from lslm.runtime.ledger import Comm
 
 
 def _check_list(items: Sequence[torch.Tensor] | None, like: torch.Tensor, n: int, what: str,

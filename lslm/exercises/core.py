@@ -15,9 +15,10 @@ import importlib
 import inspect
 import tempfile
 import textwrap
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 HEADER = """\
 # Written by lslm.exercises from a notebook cell; imported by launched workers.
@@ -81,7 +82,7 @@ def run_check(fn: Callable[..., Any], checker: str, world_sizes: Iterable[int], 
     Stops at the first failing world size. A crash of the learner's code is reported
     as a failed verdict with the rank's exception, not as an error of the notebook.
     """
-    from lslm.dist.launch import LaunchError, launch
+    from lslm.runtime.launch import LaunchError, launch
 
     directory, module = materialise(fn)
     checked = []

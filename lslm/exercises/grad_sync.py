@@ -13,7 +13,8 @@ its gradient.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,7 +86,7 @@ def _diagnose(names: list[str], got: list[torch.Tensor | None], expected: list[t
 
 def worker(module: str, name: str) -> dict[str, Any]:
     """Each rank runs the learner's function after a backward on its own data; rank 0 reports."""
-    from lslm.dist import init_distributed
+    from lslm.runtime import init_distributed
 
     fn = load_learner_function(module, name)
     with init_distributed(timeout_s=20) as ctx:  # a hang ends with a timeout error, not a stuck notebook
@@ -130,7 +131,8 @@ def worker(module: str, name: str) -> dict[str, Any]:
 
 
 HINTS = {
-    "error": "call dist.all_reduce(p.grad, op=dist.ReduceOp.SUM) on every parameter's gradient, then divide it by world_size",
+    "error": "call dist.all_reduce(p.grad, op=dist.ReduceOp.SUM) on every parameter's gradient, "
+             "then divide it by world_size",
     "param": "you reduced the parameter (p or p.data), not its gradient: call dist.all_reduce(p.grad, ...) - "
              "a parameter hook that receives the parameter must still reduce param.grad",
     "none": "keep every .grad a tensor: reduce it in place (all_reduce works in place) instead of replacing it",

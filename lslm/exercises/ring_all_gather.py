@@ -10,7 +10,8 @@ collectives disabled during the call.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,7 @@ def reference_ring_all_gather(output: torch.Tensor, input: torch.Tensor, rank: i
 
 def worker(module: str, name: str) -> dict[str, Any]:
     """Each rank runs the learner's function on every case; rank 0 reports the first mismatch."""
-    from lslm.dist import init_distributed
+    from lslm.runtime import init_distributed
 
     fn = load_learner_function(module, name)
     # A deadlocked solution ends with a timeout error here instead of hanging the notebook.

@@ -8,7 +8,8 @@ cover ``[0, n_items)`` in rank order without overlap.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -26,7 +27,7 @@ def reference_shard_range(n_items: int, rank: int, world_size: int) -> tuple[int
 
 def worker(module: str, name: str) -> dict[str, Any]:
     """Each rank calls the learner's function with its real RANK/WORLD_SIZE; rank 0 judges."""
-    from lslm.dist import init_distributed
+    from lslm.runtime import init_distributed
 
     fn = load_learner_function(module, name)
     with init_distributed() as ctx:

@@ -40,7 +40,7 @@ noisy and can come out slightly negative. Set ``probe_no_sync=False`` to skip th
 probe (then ``compute_s`` includes torch's exposed communication and
 ``comm_exposed_s`` is 0).
 
-Also per step: the bytes all-reduced through the comm ledger with tag
+Also per step: the bytes all-reduced through the comm ledger with label
 ``"ddp-grad"`` (``comm_bytes``; the ledger cannot see inside torch's reducer, so
 this reads 0 for ``torch``; the ledger is reset after each step is counted). At the
 end: memory per rank
@@ -72,18 +72,18 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lslm.data.corpus import atomic_write_bytes
 from lslm.data.dataset import token_blocks
 from lslm.data.sampler import SAMPLERS, BaselineOrderSampler, make_sampler
-from lslm.data_parallel.ddp import GRAD_TAG, VARIANTS, cap_bytes, make_ddp
-from lslm.dist import init_distributed, rank_print
-from lslm.dist.context import ParallelContext
+from lslm.data_parallel.ddp import GRAD_LABEL, VARIANTS, cap_bytes, make_ddp
 from lslm.metrics.memory import memory_report
 from lslm.recipes.train import TrainConfig, _optimizer, build_model
+from lslm.runtime import init_distributed, rank_print
+from lslm.runtime.context import ParallelContext
 
 __all__ = ["DDPConfig", "BaselineOrderSampler", "MODELS", "SAMPLERS", "check_config", "compare", "make_sampler",
-           "model_loss", "worker", "run", "main", "GRAD_TAG"]
+           "model_loss", "worker", "run", "main", "GRAD_LABEL"]
 
 MODELS = ("gpt", "hf_gpt2")
-#: Ledger tag of this recipe's own end-of-run reporting collectives.
-REPORT_TAG = "report"
+#: Ledger label of this recipe's own end-of-run reporting collectives.
+REPORT_LABEL = "report"
 
 
 @dataclass
@@ -93,7 +93,7 @@ class DDPConfig(TrainConfig):
     ``batch_size`` is the **global** batch (all ranks together), split evenly over
     ranks and then into ``grad_accum`` micro-batches per rank (all but the last run
     under ``no_sync()``, so gradients are averaged once per step). ``device="auto"``
-    lets :func:`lslm.dist.init_distributed` choose (CUDA + NCCL with one GPU per rank,
+    lets :func:`lslm.runtime.init_distributed` choose (CUDA + NCCL with one GPU per rank,
     else CPU + gloo). ``threads > 0`` sets ``torch.set_num_threads`` on every rank;
     0 keeps what the launcher set (``lslm.launch``: cores / processes).
     """
@@ -229,8 +229,8 @@ def _train(cfg: DDPConfig, ctx: ParallelContext) -> dict[str, Any]:
         optimizer.step()
         value = loss.item()  # waits for the device: t3 is the real end of the step
         t3 = time.perf_counter()
-        nbytes = ledger.total_bytes("all_reduce", tag=GRAD_TAG, since=n_records)
-        calls = ledger.calls("all_reduce", tag=GRAD_TAG, since=n_records)
+        nbytes = ledger.total_bytes("all_reduce", label=GRAD_LABEL, since=n_records)
+        calls = ledger.calls("all_reduce", label=GRAD_LABEL, since=n_records)
         ledger.reset()  # counted; a long run must not grow the ledger without bound
         rec["local_losses"].append(value)
         rec["step_s"].append(t3 - t0)
@@ -250,7 +250,7 @@ def _train(cfg: DDPConfig, ctx: ParallelContext) -> dict[str, Any]:
     # The global loss of each step: the mean of the ranks' means (equal shard sizes).
     # One collective after training, tagged so it never counts as gradient traffic.
     losses = torch.tensor(rec["local_losses"], dtype=torch.float64, device=ctx.device)
-    ctx.comm.all_reduce(losses, group=ctx.dp_group, tag=REPORT_TAG)
+    ctx.comm.all_reduce(losses, group=ctx.dp_group, label=REPORT_LABEL)
     mem = memory_report(ctx.device, ddp.module, optimizer)
     num_params = sum(p.numel() for p in ddp.module.parameters())
     result: dict[str, Any] = {
@@ -320,7 +320,7 @@ def _write_log(cfg: DDPConfig, ctx: ParallelContext, result: dict[str, Any]) -> 
     keys = ("step_ms", "compute_ms", "comm_exposed_ms", "optimizer_ms", "peak_rss_mib")
     mine = torch.tensor([summarize(result)[k] for k in keys], dtype=torch.float64, device=ctx.device)
     out = torch.empty(ctx.world_size * len(keys), dtype=torch.float64, device=ctx.device)
-    ctx.comm.all_gather(list(out.chunk(ctx.world_size)), mine, tag=REPORT_TAG)
+    ctx.comm.all_gather(list(out.chunk(ctx.world_size)), mine, label=REPORT_LABEL)
     if ctx.rank == 0:
         ranks = [dict(zip(keys, row.tolist()), rank=r) for r, row in enumerate(out.view(ctx.world_size, -1))]
         log = {"losses": result["losses"], "step_s": result["step_s"], "compute_s": result["compute_s"],
@@ -339,7 +339,7 @@ def run(nproc: int = 2, *, runs: list[dict[str, Any]] | None = None, timeout: fl
     record per rank. With ``runs``: :func:`compare`, and ``result[rank][i]`` is run
     ``i``'s record. Bad settings raise ``ValueError`` here, before any process starts.
     """
-    from lslm.dist.launch import launch
+    from lslm.runtime.launch import launch
 
     for extra in runs or [{}]:
         check_config(DDPConfig(**{**kwargs, **extra}), nproc)

@@ -22,8 +22,8 @@ import torch
 
 from lslm.data.corpus import atomic_write_bytes
 from lslm.data.dataset import batches, token_blocks
-from lslm.dist.printing import progress
 from lslm.models.gpt import GPT, GPTConfig
+from lslm.runtime.printing import progress
 
 __all__ = ["TrainConfig", "train", "build_model", "data_stream", "main"]
 

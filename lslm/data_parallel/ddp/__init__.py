@@ -15,15 +15,16 @@ in :mod:`lslm.data_parallel.ddp.base`; bucket planning in ``buckets``; bitwise
 replica checks in ``checks``.
 """
 
-from lslm.data_parallel.ddp.base import BROADCAST_TAG, GRAD_TAG, UNUSED_TAG, BucketPlanDDP, DDPBase
+from lslm.data_parallel.ddp.base import BROADCAST_LABEL, GRAD_LABEL, UNUSED_LABEL, BucketPlanDDP, DDPBase
 from lslm.data_parallel.ddp.bucketed import BucketedDDP
 from lslm.data_parallel.ddp.buckets import cap_bytes, plan_buckets
-from lslm.data_parallel.ddp.checks import CHECK_TAG, assert_same_across_ranks, first_mismatch, tensor_digest
+from lslm.data_parallel.ddp.checks import CHECK_LABEL, assert_same_across_ranks, first_mismatch, tensor_digest
 from lslm.data_parallel.ddp.factory import VARIANTS, make_ddp
 from lslm.data_parallel.ddp.fused import FusedDDP
 from lslm.data_parallel.ddp.naive import NaiveDDP
 from lslm.data_parallel.ddp.torch_ddp import TorchDDP
 
-__all__ = ["BROADCAST_TAG", "BucketPlanDDP", "BucketedDDP", "CHECK_TAG", "DDPBase", "FusedDDP", "GRAD_TAG", "NaiveDDP", "TorchDDP",
-           "UNUSED_TAG", "VARIANTS", "assert_same_across_ranks", "cap_bytes", "first_mismatch", "make_ddp",
+__all__ = ["BROADCAST_LABEL", "BucketPlanDDP", "BucketedDDP", "CHECK_LABEL", "DDPBase", "FusedDDP", "GRAD_LABEL",
+           "NaiveDDP", "TorchDDP",
+           "UNUSED_LABEL", "VARIANTS", "assert_same_across_ranks", "cap_bytes", "first_mismatch", "make_ddp",
            "plan_buckets", "tensor_digest"]

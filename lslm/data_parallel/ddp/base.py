@@ -19,19 +19,19 @@ synchronises iff its forward ran through ``ddp(...)`` outside ``no_sync()``, and
 the same order, so a parameter that took no part in the loss cannot be skipped
 silently. By default ``finish_grad_sync()`` raises ``RuntimeError`` naming them. With
 ``find_unused_parameters=True`` a missing gradient counts as zero on that rank, so
-the ranks still agree; one extra all-reduce of a used-flag per parameter (tag
+the ranks still agree; one extra all-reduce of a used-flag per parameter (label
 ``"ddp-unused"``, 4 bytes each) then tells which parameters *no* rank used, and
 those keep ``.grad = None`` as in torch's DDP (so the optimizer skips them).
 
 **Start-up.** With ``broadcast_params=True`` rank 0's parameters and buffers are
-broadcast to every rank of the dp group (one flat broadcast per dtype, tag
+broadcast to every rank of the dp group (one flat broadcast per dtype, label
 ``"ddp-broadcast"``). Buffers are *not* re-broadcast at every forward (torch's
 ``broadcast_buffers=True`` does that; it matters for BatchNorm statistics). With
 ``broadcast_params=False`` the replicas are checked instead (a 64-bit hash per
 tensor, all-gathered) and ``ValueError`` names the first tensor that differs.
 
 Communication goes through ``ctx.comm`` (the ledger) on ``ctx.dp_group``; gradient
-all-reduces carry the tag ``"ddp-grad"`` and add up to exactly ``grad_bytes`` per
+all-reduces carry the label ``"ddp-grad"`` and add up to exactly ``grad_bytes`` per
 synchronised step. We use SUM then divide by the group size, not ``ReduceOp.AVG``:
 it works on every backend and torch version (older gloo releases reject AVG).
 """
@@ -42,7 +42,8 @@ import contextlib
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,9 +53,9 @@ from torch.distributed import ReduceOp
 from lslm.data_parallel.ddp.buckets import cap_bytes, plan_buckets
 from lslm.data_parallel.ddp.checks import first_mismatch
 
-GRAD_TAG = "ddp-grad"
-BROADCAST_TAG = "ddp-broadcast"
-UNUSED_TAG = "ddp-unused"
+GRAD_LABEL = "ddp-grad"
+BROADCAST_LABEL = "ddp-broadcast"
+UNUSED_LABEL = "ddp-unused"
 
 
 def group_src(group: Any) -> int:
@@ -62,7 +63,7 @@ def group_src(group: Any) -> int:
     return 0 if group is None else dist.get_global_rank(group, 0)
 
 
-def flat_broadcast(tensors: list[torch.Tensor], comm: Any, src: int, group: Any, tag: str) -> None:
+def flat_broadcast(tensors: list[torch.Tensor], comm: Any, src: int, group: Any, label: str) -> None:
     """Broadcast ``tensors`` from ``src`` in one flat message per (dtype, device), copying results in place."""
     kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
@@ -70,7 +71,7 @@ def flat_broadcast(tensors: list[torch.Tensor], comm: Any, src: int, group: Any,
     with torch.no_grad():
         for ts in kinds.values():
             flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            comm.broadcast(flat, src, group=group, tag=tag)
+            comm.broadcast(flat, src, group=group, label=label)
             offset = 0
             for t in ts:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
@@ -98,7 +99,7 @@ class DDPBase(nn.Module):
             raise ValueError(f"parameter {wrong[0]!r} is on {module.get_parameter(wrong[0]).device} but this rank "
                              f"runs on {ctx.device}: call model.to(ctx.device) before wrapping it")
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: create ctx with lslm.dist.init_distributed()")
+            raise RuntimeError("torch.distributed is not initialised: create ctx with lslm.runtime.init_distributed()")
         self.module = module
         self.ctx = ctx
         self.comm = ctx.comm
@@ -118,7 +119,7 @@ class DDPBase(nn.Module):
         self._step = 0  # number of synchronised steps so far (timeline key)
         state = [p for p in module.parameters()] + [b for b in module.buffers()]
         if broadcast_params:
-            flat_broadcast(state, self.comm, group_src(self.group), self.group, BROADCAST_TAG)
+            flat_broadcast(state, self.comm, group_src(self.group), self.group, BROADCAST_LABEL)
         else:
             named_state = list(module.named_parameters()) + list(module.named_buffers())
             device = state[0].device if state else "cpu"
@@ -196,7 +197,7 @@ class DDPBase(nn.Module):
         device = self.params[0].device if self.params else torch.device("cpu")
         flags = torch.tensor([1 if u else 0 for u in used], dtype=torch.int32, device=device)
         if flags.numel():
-            self.comm.all_reduce(flags, ReduceOp.SUM, group=self.group, tag=UNUSED_TAG)
+            self.comm.all_reduce(flags, ReduceOp.SUM, group=self.group, label=UNUSED_LABEL)
         return [i for i, f in enumerate(flags.tolist()) if f == 0]
 
     def _check_missing(self) -> tuple[list[int], list[int]]:

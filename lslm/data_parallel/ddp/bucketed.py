@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
-from lslm.data_parallel.ddp.base import GRAD_TAG, BucketPlanDDP
+from lslm.data_parallel.ddp.base import GRAD_LABEL, BucketPlanDDP
 
 
 class BucketedDDP(BucketPlanDDP):
@@ -120,7 +120,8 @@ class BucketedDDP(BucketPlanDDP):
         while self._next < len(self._plan) and self._missing[self._next] == 0:
             b = self._next
             t_start = time.perf_counter()
-            work = self.comm.all_reduce(self._buffers[b], ReduceOp.SUM, group=self.group, async_op=True, tag=GRAD_TAG)
+            work = self.comm.all_reduce(self._buffers[b], ReduceOp.SUM, group=self.group, async_op=True,
+                                        label=GRAD_LABEL)
             if self.record_timeline:  # the callback runs when the all-reduce completes; we wait for it too
                 work = work.get_future().then(
                     lambda fut, b=b, t0=t_start: self._record("allreduce_done", b, self._nbytes(b), t_start=t0))

@@ -13,7 +13,7 @@ still being differentiated (Li et al. 2020, §3.2.3). Torch's DDP does the same
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 
 def cap_bytes(bucket_cap_mb: float) -> int:

@@ -11,14 +11,15 @@ DDP uses it when ``broadcast_params=False``; tests call it after every step.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lslm.dist.ledger import Comm
+from lslm.runtime.ledger import Comm
 
-CHECK_TAG = "ddp-check"
+CHECK_LABEL = "ddp-check"
 
 
 def tensor_digest(t: torch.Tensor) -> int:
@@ -52,13 +53,13 @@ def first_mismatch(named: Iterable[tuple[str, torch.Tensor]], comm: Comm, group:
     n = dist.get_world_size(group)
     count = torch.tensor([len(digests)], dtype=torch.int64, device=device)
     counts = [torch.empty_like(count) for _ in range(n)]
-    comm.all_gather(counts, count, group=group, tag=CHECK_TAG)
+    comm.all_gather(counts, count, group=group, label=CHECK_LABEL)
     if len({int(c.item()) for c in counts}) != 1:
         return ("<number of tensors>", [int(c.item()) for c in counts])
     mine = torch.tensor(digests, dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(n)]
     if digests:
-        comm.all_gather(everyone, mine, group=group, tag=CHECK_TAG)
+        comm.all_gather(everyone, mine, group=group, label=CHECK_LABEL)
     table = torch.stack(everyone).cpu() if digests else torch.empty(n, 0, dtype=torch.int64)
     for j, name in enumerate(names):
         col = table[:, j]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
-from lslm.data_parallel.ddp.base import GRAD_TAG, BucketPlanDDP
+from lslm.data_parallel.ddp.base import GRAD_LABEL, BucketPlanDDP
 
 
 class FusedDDP(BucketPlanDDP):
@@ -57,7 +57,7 @@ class FusedDDP(BucketPlanDDP):
                 offset += g.numel()
             nbytes = numel * flat.element_size()
             self._record("bucket_ready", b, nbytes)
-            self.comm.all_reduce(flat, ReduceOp.SUM, group=self.group, tag=GRAD_TAG)
+            self.comm.all_reduce(flat, ReduceOp.SUM, group=self.group, label=GRAD_LABEL)
             flat.div_(self.world_size)
             offset = 0
             for g in grads:  # unpack

@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 from torch.distributed import ReduceOp
 
-from lslm.data_parallel.ddp.base import GRAD_TAG, DDPBase
+from lslm.data_parallel.ddp.base import GRAD_LABEL, DDPBase
 
 
 class NaiveDDP(DDPBase):
@@ -42,7 +42,7 @@ class NaiveDDP(DDPBase):
             buf = g if g.is_contiguous() else g.contiguous()  # collectives need contiguous memory
             nbytes = buf.numel() * buf.element_size()
             self._record("bucket_ready", i, nbytes)
-            self.comm.all_reduce(buf, ReduceOp.SUM, group=self.group, tag=GRAD_TAG)
+            self.comm.all_reduce(buf, ReduceOp.SUM, group=self.group, label=GRAD_LABEL)
             buf.div_(self.world_size)
             if buf is not g:
                 g.copy_(buf)

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 from torch.nn.parallel import DistributedDataParallel
 
-from lslm.data_parallel.ddp.base import GRAD_TAG, DDPBase
+from lslm.data_parallel.ddp.base import GRAD_LABEL, DDPBase
 from lslm.data_parallel.ddp.buckets import cap_bytes
 
 
@@ -78,7 +78,7 @@ class TorchDDP(DDPBase):
         return [self._bucket_names[k] for k in sorted(self._bucket_names)]
 
     def use_ledger_comm_hook(self) -> None:
-        """Route the reducer's bucket all-reduces through ``ctx.comm`` (tag ``"ddp-grad"``): SUM, then divide.
+        """Route the reducer's bucket all-reduces through ``ctx.comm`` (label ``"ddp-grad"``): SUM, then divide.
 
         Call before the first forward. The ledger then counts torch's bytes as it
         counts ours (exactly ``grad_bytes`` per synchronised step).
@@ -95,7 +95,7 @@ class TorchDDP(DDPBase):
             self._bucket_names[b] = [names.get(id(p), "?") for p in bucket.parameters()]
             self._record("bucket_ready", b, nbytes)
             t_start = time.perf_counter()
-            work = comm.all_reduce(buf, ReduceOp.SUM, group=group, async_op=True, tag=GRAD_TAG)
+            work = comm.all_reduce(buf, ReduceOp.SUM, group=group, async_op=True, label=GRAD_LABEL)
 
             def done(fut: torch.futures.Future) -> torch.Tensor:
                 out = fut.value()[0].div_(n)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lslm.dist import init_distributed, rank_print
+from lslm.runtime import init_distributed, rank_print
 
 
 def worker(numel: int = 1024, tp: int = 1, pp: int = 1) -> dict[str, Any]:
@@ -25,7 +25,8 @@ def worker(numel: int = 1024, tp: int = 1, pp: int = 1) -> dict[str, Any]:
         x = torch.ones(numel, device=ctx.device)
         ctx.comm.all_reduce(x)
         ok = bool(torch.all(x == ctx.world_size))
-        rank_print(f"all_reduce of {numel} ones over {ctx.world_size} ranks -> {x[0].item():g} ({'ok' if ok else 'WRONG'})")
+        verdict = "ok" if ok else "WRONG"
+        rank_print(f"all_reduce of {numel} ones over {ctx.world_size} ranks -> {x[0].item():g} ({verdict})")
         return {
             **ctx.describe(),
             "ok": ok,

@@ -3,7 +3,7 @@
 What nn.DataParallel does on *every* forward (``torch/nn/parallel/replicate.py``):
 
 1. broadcast all parameters from the source device to every device, through the
-   autograd Function :class:`~lslm.data_parallel.dp_comm.Broadcast`, so that a
+   autograd Function :class:`~lslm.data_parallel.single_process.comm.Broadcast`, so that a
    replica's parameter is a non-leaf tensor whose gradient flows back to the
    original and is summed there;
 2. copy buffers (running statistics, masks) without autograd;
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lslm.data_parallel.dp_comm import Broadcast, Route, move
-from lslm.data_parallel.dp_ledger import TransferLedger
+from lslm.data_parallel.single_process.comm import Broadcast, Route, move
+from lslm.data_parallel.single_process.ledger import TransferLedger
 
 __all__ = ["replicate"]
 
@@ -44,7 +44,7 @@ def replicate(module: nn.Module, devices: Sequence[torch.device], *,
     """Return ``len(devices)`` replicas of ``module``, replica ``i`` on ``devices[i]``.
 
     ``module`` must live on ``devices[0]``. Parameters of the replicas are outputs of
-    :class:`~lslm.data_parallel.dp_comm.Broadcast` (``detach=False``), so calling
+    :class:`~lslm.data_parallel.single_process.comm.Broadcast` (``detach=False``), so calling
     ``backward`` through any replica accumulates the summed gradient into the
     original parameters' ``.grad``. With ``detach=True`` they are plain copies (for
     inference). Buffers are copied without gradient. Copies are recorded in ``ledger``

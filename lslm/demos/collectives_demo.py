@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 
 import lslm.collectives as C
-from lslm.dist import init_distributed
+from lslm.runtime import init_distributed
 
 
 def _sent_received(comm: Any) -> tuple[int, int]:
-    recs = [r for r in comm.ledger.records if r.tag != C.CHECK_TAG]
+    recs = [r for r in comm.ledger.records if r.label != C.CHECK_LABEL]
     return (sum(r.nbytes for r in recs if r.op == "send"), sum(r.nbytes for r in recs if r.op == "recv"))
 
 

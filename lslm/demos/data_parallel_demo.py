@@ -1,15 +1,15 @@
 """Single-process DataParallel on any device list: correctness, output-device imbalance, replicate cost.
 
-    python -m lslm.recipes.data_parallel_demo                          # all GPUs, or cpu,cpu without CUDA
-    python -m lslm.recipes.data_parallel_demo --devices cuda:0,cuda:1 --model small --batch 32
-    python -m lslm.recipes.data_parallel_demo --devices cpu,cpu --gil --out dp.json
-    python -m lslm.recipes.data_parallel_demo --devices cuda:0,cpu --vocab 32768 --seq 256   # one GPU
+    python -m lslm.demos.data_parallel_demo                          # all GPUs, or cpu,cpu without CUDA
+    python -m lslm.demos.data_parallel_demo --devices cuda:0,cuda:1 --model small --batch 32
+    python -m lslm.demos.data_parallel_demo --devices cpu,cpu --gil --out dp.json
+    python -m lslm.demos.data_parallel_demo --devices cuda:0,cpu --vocab 32768 --seq 256   # one GPU
 
 Prints a short report and returns (or writes with ``--out``) a JSON-able record:
 ``check`` (largest difference of DataParallel's logits, loss and gradients from the
 plain model), ``imbalance`` (bytes per copy, bytes gathered onto the output device
 and, on CUDA, each device's peak allocated memory, for gathered logits and for the
-parallel loss), ``replicate`` (see :func:`~lslm.data_parallel.dp_measure.replicate_cost`),
+parallel loss), ``replicate`` (see :func:`~lslm.data_parallel.single_process.measure.replicate_cost`),
 ``torch_data_parallel`` (on two or more distinct GPUs: the difference from
 ``torch.nn.DataParallel``'s output) and, with ``--gil``, the GIL benchmark.
 """
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from lslm.data_parallel.dp_measure import gil_benchmark, measure_step, replicate_cost
-from lslm.data_parallel.single_process import DataParallel, gpt_token_loss, to_devices
+from lslm.data_parallel.single_process.data_parallel import DataParallel, gpt_token_loss, to_devices
+from lslm.data_parallel.single_process.measure import gil_benchmark, measure_step, replicate_cost
 from lslm.metrics.memory import format_bytes
 from lslm.models.gpt import GPT, GPTConfig
 
@@ -106,7 +106,7 @@ def _print(record: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Command line entry point; returns the record."""
-    p = argparse.ArgumentParser(prog="python -m lslm.recipes.data_parallel_demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m lslm.demos.data_parallel_demo", description=__doc__.split("\n")[0])
     p.add_argument("--devices", default=None, help="comma-separated, e.g. cuda:0,cuda:1 or cpu,cpu")
     p.add_argument("--model", choices=("tiny", "small"), default="tiny")
     p.add_argument("--batch", type=int, default=8)

@@ -1,7 +1,7 @@
 """Process-group start-up: read torchrun's environment, choose device and backend, seed.
 
 ``init_distributed()`` is the first line of every lslm worker. It returns a
-:class:`~lslm.dist.context.ParallelContext`; nothing is stored in module globals
+:class:`~lslm.runtime.context.ParallelContext`; nothing is stored in module globals
 beyond what ``torch.distributed`` itself keeps.
 """
 
@@ -18,8 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lslm.dist.context import ParallelContext
-from lslm.dist.grid import RankGrid
+from lslm.runtime.context import ParallelContext
+from lslm.runtime.grid import RankGrid
 
 DEFAULT_TIMEOUT_S = 300.0
 _BACKENDS = ("gloo", "nccl", "mpi")
@@ -38,7 +38,7 @@ class RankEnv:
     node_rank: int  # GROUP_RANK: which node (agent) this worker belongs to
 
     @classmethod
-    def from_environ(cls, environ: dict[str, str] | None = None) -> "RankEnv | None":
+    def from_environ(cls, environ: dict[str, str] | None = None) -> RankEnv | None:
         """Parse torchrun's variables; ``None`` when they are absent (a plain ``python`` process)."""
         env = os.environ if environ is None else environ
         if "RANK" not in env or "WORLD_SIZE" not in env:

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lslm.data_parallel.dp_apply import parallel_apply
-from lslm.data_parallel.dp_comm import chunk_sizes
-from lslm.data_parallel.dp_ledger import TransferLedger
-from lslm.data_parallel.dp_replicate import replicate
-from lslm.data_parallel.single_process import DataParallel, gpt_token_loss, to_devices
-from lslm.dist.runtime import synchronize
+from lslm.data_parallel.single_process.apply import parallel_apply
+from lslm.data_parallel.single_process.comm import chunk_sizes
+from lslm.data_parallel.single_process.data_parallel import DataParallel, gpt_token_loss, to_devices
+from lslm.data_parallel.single_process.ledger import TransferLedger
+from lslm.data_parallel.single_process.replicate import replicate
+from lslm.runtime.startup import synchronize
 
 __all__ = ["BlasForward", "LaunchAndWaitForward", "PythonLoopForward", "TinyOpsForward", "busiest_device_bytes",
            "gil_benchmark", "measure_step", "replicate_cost", "theory_step_bytes"]

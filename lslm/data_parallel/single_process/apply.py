@@ -5,7 +5,7 @@ This is how nn.DataParallel drives several GPUs from one process
 outside the Python interpreter: a CUDA kernel launch returns at once and BLAS
 releases the GIL, but every line of Python in a forward (module calls, hooks,
 shape logic, the dispatcher's Python side) runs one thread at a time under the
-GIL. ``lslm.data_parallel.dp_measure.gil_benchmark`` measures the difference.
+GIL. ``lslm.data_parallel.single_process.measure.gil_benchmark`` measures the difference.
 
 Two details a thread must copy from its caller, because they are thread-local
 in PyTorch: whether gradients are enabled, and the autocast state. On CUDA each

@@ -1,6 +1,6 @@
 """The process torchrun starts for every rank of an ``lslm.launch`` job.
 
-``python -m lslm.dist.worker --target pkg.module:function --args-file A --result-dir D``
+``python -m lslm.runtime.worker --target pkg.module:function --args-file A --result-dir D``
 imports the target, calls it with the JSON arguments, and writes what it returns
 to ``D/rank<r>.json``. If it raises, the traceback goes to ``D/rank<r>.error.txt``
 first, so the launcher can kill the job and show the right traceback at once.
@@ -18,8 +18,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 RESULT_DIR_ENV = "LSLM_RESULT_DIR"
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lslm.dist.grid import Coords, RankGrid
-from lslm.dist.ledger import Comm
+from lslm.runtime.grid import Coords, RankGrid
+from lslm.runtime.ledger import Comm
 
 
 @dataclass
@@ -42,7 +42,7 @@ class ParallelContext:
 
     @classmethod
     def create(cls, grid: RankGrid, rank: int, local_rank: int, node_rank: int, device: torch.device,
-               backend: str, timeout_s: float | None = None) -> "ParallelContext":
+               backend: str, timeout_s: float | None = None) -> ParallelContext:
         """Create every tp, dp and pp group (collectively: all ranks, same order) and keep ours.
 
         ``timeout_s`` is passed to every subgroup explicitly, so a hang inside a tp,
@@ -143,7 +143,7 @@ class ParallelContext:
             dist.barrier()
             dist.destroy_process_group()
 
-    def __enter__(self) -> "ParallelContext":
+    def __enter__(self) -> ParallelContext:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterable, TypeVar
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
@@ -32,7 +33,8 @@ def rank_print(*args: Any, ranks: Iterable[int] | None = (0,), rank: int | None 
         print(f"[rank {r}]", *args, **kwargs)
 
 
-def progress(iterable: Iterable[T] | None = None, *, all_ranks: bool = False, rank: int | None = None, **kwargs: Any) -> "tqdm[T]":
+def progress(iterable: Iterable[T] | None = None, *, all_ranks: bool = False, rank: int | None = None,
+             **kwargs: Any) -> tqdm[T]:
     """A tqdm progress bar shown on global rank 0 only (or on every rank with ``all_ranks``).
 
     Bars on other ranks are created disabled, so loops stay identical on every rank.

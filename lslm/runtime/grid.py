@@ -59,7 +59,7 @@ class RankGrid:
     dp: int
 
     @classmethod
-    def build(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None) -> "RankGrid":
+    def build(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None) -> RankGrid:
         """Validate the sizes (see :func:`resolve_sizes`) and return the grid."""
         tp, pp, dp = resolve_sizes(world_size, tp, pp, dp)
         return cls(world_size=world_size, tp=tp, pp=pp, dp=dp)

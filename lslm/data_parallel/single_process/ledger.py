@@ -1,7 +1,7 @@
 """Byte ledger for single-process DataParallel: every device-to-device copy, with its size.
 
 nn.DataParallel moves tensors between the devices of one process with plain
-copies (no ``torch.distributed``), so the multi-process :mod:`lslm.dist.ledger`
+copies (no ``torch.distributed``), so the multi-process :mod:`lslm.runtime.ledger`
 does not see them. This ledger records each copy our DataParallel makes as one
 :class:`Transfer`: the operation (forward: ``scatter``, ``broadcast``, ``buffers``,
 ``gather``; backward: ``grad_scatter`` from the gather, ``grad_gather`` from the
@@ -27,13 +27,12 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
 __all__ = ["Place", "Transfer", "TransferLedger", "tensor_bytes"]
 
-Place = Union[int, str]
+Place = int | str
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

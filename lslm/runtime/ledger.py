@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,7 @@ class CommRecord:
     group_size: int
     dtype: str = ""
     peer: int | None = None  # global rank of the other side, for send/recv
-    tag: str = ""  # free text set by the caller (e.g. "bucket 3"), for plots
+    label: str = ""  # free text set by the caller (e.g. "bucket 3"), for plots
 
     @property
     def bus_bytes(self) -> float:
@@ -95,27 +96,27 @@ class CommLedger:
         with self._lock:
             self.records.clear()
 
-    def select(self, op: str | None = None, tag: str | None = None, since: int = 0) -> list[CommRecord]:
-        """The records from index ``since`` on (``len(records)`` taken earlier), of one op and/or one tag.
+    def select(self, op: str | None = None, label: str | None = None, since: int = 0) -> list[CommRecord]:
+        """The records from index ``since`` on (``len(records)`` taken earlier), of one op and/or one label.
 
-        ``None`` matches any op or tag. Counting "what this step sent" is
+        ``None`` matches any op or label. Counting "what this step sent" is
         ``since=len(ledger.records)`` read before the step.
         """
         with self._lock:
             recs = self.records[since:]
-        return [r for r in recs if (op is None or r.op == op) and (tag is None or r.tag == tag)]
+        return [r for r in recs if (op is None or r.op == op) and (label is None or r.label == label)]
 
-    def total_bytes(self, op: str | None = None, tag: str | None = None, since: int = 0) -> int:
+    def total_bytes(self, op: str | None = None, label: str | None = None, since: int = 0) -> int:
         """Sum of ``nbytes`` over the records :meth:`select` picks (default: all)."""
-        return sum(r.nbytes for r in self.select(op, tag, since))
+        return sum(r.nbytes for r in self.select(op, label, since))
 
-    def total_bus_bytes(self, op: str | None = None, tag: str | None = None, since: int = 0) -> float:
+    def total_bus_bytes(self, op: str | None = None, label: str | None = None, since: int = 0) -> float:
         """Sum of ``bus_bytes`` over the records :meth:`select` picks (default: all)."""
-        return sum(r.bus_bytes for r in self.select(op, tag, since))
+        return sum(r.bus_bytes for r in self.select(op, label, since))
 
-    def calls(self, op: str | None = None, tag: str | None = None, since: int = 0) -> int:
+    def calls(self, op: str | None = None, label: str | None = None, since: int = 0) -> int:
         """Number of calls among the records :meth:`select` picks (default: all)."""
-        return len(self.select(op, tag, since))
+        return len(self.select(op, label, since))
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per op: ``{"calls", "bytes", "bus_bytes"}`` - JSON-ready, one per rank."""
@@ -153,9 +154,9 @@ class Comm:
         self.ledger = ledger if ledger is not None else CommLedger()
 
     # -- helpers ---------------------------------------------------------------
-    def _log(self, op: str, t: torch.Tensor, nbytes: int, group: Any, peer: int | None = None, tag: str = "") -> None:
+    def _log(self, op: str, t: torch.Tensor, nbytes: int, group: Any, peer: int | None = None, label: str = "") -> None:
         size = dist.get_world_size(group) if op not in ("send", "recv") else 2
-        self.ledger.record(CommRecord(op=op, nbytes=nbytes, group_size=size, dtype=_dtype(t), peer=peer, tag=tag))
+        self.ledger.record(CommRecord(op=op, nbytes=nbytes, group_size=size, dtype=_dtype(t), peer=peer, label=label))
 
     @staticmethod
     def _contig(*tensors: torch.Tensor) -> None:
@@ -165,81 +166,82 @@ class Comm:
 
     # -- collectives -----------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM, group: Any = None,
-                   async_op: bool = False, tag: str = "") -> Any:
+                   async_op: bool = False, label: str = "") -> Any:
         """In-place all-reduce of ``tensor`` across ``group``."""
         self._contig(tensor)
-        self._log("all_reduce", tensor, _nbytes(tensor), group, tag=tag)
+        self._log("all_reduce", tensor, _nbytes(tensor), group, label=label)
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False, tag: str = "") -> Any:
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False,
+                  label: str = "") -> Any:
         """In-place broadcast of ``tensor`` from global rank ``src``."""
         self._contig(tensor)
-        self._log("broadcast", tensor, _nbytes(tensor), group, tag=tag)
+        self._log("broadcast", tensor, _nbytes(tensor), group, label=label)
         return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp.RedOpType = ReduceOp.SUM, group: Any = None,
-               async_op: bool = False, tag: str = "") -> Any:
+               async_op: bool = False, label: str = "") -> Any:
         """Reduce ``tensor`` onto global rank ``dst`` (in place there)."""
         self._contig(tensor)
-        self._log("reduce", tensor, _nbytes(tensor), group, tag=tag)
+        self._log("reduce", tensor, _nbytes(tensor), group, label=label)
         return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
 
     def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
-                   async_op: bool = False, tag: str = "") -> Any:
+                   async_op: bool = False, label: str = "") -> Any:
         """Gather every rank's ``tensor`` into ``tensor_list`` on every rank."""
         self._contig(tensor, *tensor_list)
-        self._log("all_gather", tensor, sum(_nbytes(t) for t in tensor_list), group, tag=tag)
+        self._log("all_gather", tensor, sum(_nbytes(t) for t in tensor_list), group, label=label)
         return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Any = None,
-                               async_op: bool = False, tag: str = "") -> Any:
+                               async_op: bool = False, label: str = "") -> Any:
         """Gather every rank's ``input`` into the flat ``output`` (rank order), without the 2.13 FutureWarning."""
         self._contig(output, input)
         if output.numel() != input.numel() * dist.get_world_size(group):
             raise ValueError(f"output has {output.numel()} elements, expected input.numel() x group size = "
                              f"{input.numel()} x {dist.get_world_size(group)}")
-        self._log("all_gather", input, _nbytes(output), group, tag=tag)
+        self._log("all_gather", input, _nbytes(output), group, label=label)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return fn(output, input, group=group, async_op=async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM,
-                              group: Any = None, async_op: bool = False, tag: str = "") -> Any:
+                              group: Any = None, async_op: bool = False, label: str = "") -> Any:
         """Reduce the flat ``input`` across ranks and leave chunk ``rank`` in ``output``, without the FutureWarning."""
         self._contig(output, input)
         if input.numel() != output.numel() * dist.get_world_size(group):
             raise ValueError(f"input has {input.numel()} elements, expected output.numel() x group size = "
                              f"{output.numel()} x {dist.get_world_size(group)}")
-        self._log("reduce_scatter", input, _nbytes(input), group, tag=tag)
+        self._log("reduce_scatter", input, _nbytes(input), group, label=label)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return fn(output, input, op=op, group=group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor],
                        op: ReduceOp.RedOpType = ReduceOp.SUM, group: Any = None, async_op: bool = False,
-                       tag: str = "") -> Any:
+                       label: str = "") -> Any:
         """List form of reduce-scatter: ``output`` receives the reduction of everyone's ``input_list[rank]``."""
         self._contig(output, *input_list)
-        self._log("reduce_scatter", output, sum(_nbytes(t) for t in input_list), group, tag=tag)
+        self._log("reduce_scatter", output, sum(_nbytes(t) for t in input_list), group, label=label)
         return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
 
     def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, group: Any = None,
-               async_op: bool = False, tag: str = "") -> Any:
+               async_op: bool = False, label: str = "") -> Any:
         """Gather every rank's ``tensor`` into ``gather_list`` on global rank ``dst``."""
         self._contig(tensor)
-        self._log("gather", tensor, _nbytes(tensor) * dist.get_world_size(group), group, tag=tag)
+        self._log("gather", tensor, _nbytes(tensor) * dist.get_world_size(group), group, label=label)
         return dist.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op)
 
     def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, group: Any = None,
-                async_op: bool = False, tag: str = "") -> Any:
+                async_op: bool = False, label: str = "") -> Any:
         """Scatter ``scatter_list`` from global rank ``src``: rank i receives item i into ``tensor``."""
         self._contig(tensor)
-        self._log("scatter", tensor, _nbytes(tensor) * dist.get_world_size(group), group, tag=tag)
+        self._log("scatter", tensor, _nbytes(tensor) * dist.get_world_size(group), group, label=label)
         return dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, group: Any = None,
-                          async_op: bool = False, tag: str = "") -> Any:
+                          async_op: bool = False, label: str = "") -> Any:
         """Equal-split all-to-all: chunk j of ``input`` goes to rank j, which stores it as chunk ``rank``."""
         self._contig(output, input)
-        self._log("all_to_all", input, _nbytes(input), group, tag=tag)
+        self._log("all_to_all", input, _nbytes(input), group, label=label)
         return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
     def barrier(self, group: Any = None) -> None:
@@ -248,34 +250,34 @@ class Comm:
         dist.barrier(group=group)
 
     # -- point to point --------------------------------------------------------
-    def send(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: str = "") -> None:
+    def send(self, tensor: torch.Tensor, dst: int, group: Any = None, label: str = "") -> None:
         """Blocking send of ``tensor`` to global rank ``dst``."""
         self._contig(tensor)
-        self._log("send", tensor, _nbytes(tensor), group, peer=dst, tag=tag)
+        self._log("send", tensor, _nbytes(tensor), group, peer=dst, label=label)
         dist.send(tensor, dst=dst, group=group)
 
-    def recv(self, tensor: torch.Tensor, src: int, group: Any = None, tag: str = "") -> None:
+    def recv(self, tensor: torch.Tensor, src: int, group: Any = None, label: str = "") -> None:
         """Blocking receive into ``tensor`` from global rank ``src``."""
         self._contig(tensor)
-        self._log("recv", tensor, _nbytes(tensor), group, peer=src, tag=tag)
+        self._log("recv", tensor, _nbytes(tensor), group, peer=src, label=label)
         dist.recv(tensor, src=src, group=group)
 
-    def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, tag: str = "") -> Any:
+    def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, label: str = "") -> Any:
         """Non-blocking send; returns a work handle to ``wait()`` on."""
         self._contig(tensor)
-        self._log("send", tensor, _nbytes(tensor), group, peer=dst, tag=tag)
+        self._log("send", tensor, _nbytes(tensor), group, peer=dst, label=label)
         return dist.isend(tensor, dst=dst, group=group)
 
-    def irecv(self, tensor: torch.Tensor, src: int, group: Any = None, tag: str = "") -> Any:
+    def irecv(self, tensor: torch.Tensor, src: int, group: Any = None, label: str = "") -> Any:
         """Non-blocking receive; returns a work handle to ``wait()`` on."""
         self._contig(tensor)
-        self._log("recv", tensor, _nbytes(tensor), group, peer=src, tag=tag)
+        self._log("recv", tensor, _nbytes(tensor), group, peer=src, label=label)
         return dist.irecv(tensor, src=src, group=group)
 
-    def batch_isend_irecv(self, ops: Sequence[dist.P2POp], tag: str = "") -> list[Any]:
+    def batch_isend_irecv(self, ops: Sequence[dist.P2POp], label: str = "") -> list[Any]:
         """Post several sends/receives together; returns their work handles."""
         for p in ops:
             self._contig(p.tensor)
             kind = "send" if p.op in (dist.isend, getattr(dist, "send", None)) else "recv"
-            self._log(kind, p.tensor, _nbytes(p.tensor), p.group, peer=p.peer, tag=tag)
+            self._log(kind, p.tensor, _nbytes(p.tensor), p.group, peer=p.peer, label=label)
         return dist.batch_isend_irecv(list(ops))

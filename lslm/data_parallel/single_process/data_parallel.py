@@ -13,14 +13,14 @@ replicas' parameter gradients are reduce-added onto device 0, into the original
 parameters' ``.grad``. Nothing persists between steps: the replicas are rebuilt
 every call.
 
-Its two classic problems, measured in :mod:`lslm.data_parallel.dp_measure`:
+Its two classic problems, measured in :mod:`lslm.data_parallel.single_process.measure`:
 threads share one GIL, and the output device holds every replica's outputs (for
 a language model, ``B x T x V`` logits). The fix for the second is to compute
 the loss inside each replica and gather only ``n`` scalars: pass
 ``parallel_criterion``.
 
-The building blocks live in ``dp_comm`` (the autograd Functions), ``dp_replicate``,
-``dp_apply`` and ``dp_ledger`` (byte counting); this module wires them up.
+The building blocks live beside this module: ``comm`` (the autograd Functions),
+``replicate``, ``apply`` and ``ledger`` (byte counting); this module wires them up.
 Reference: PyTorch docs, ``torch.nn.DataParallel`` and ``torch/nn/parallel/``
 (``scatter_gather.py``, ``replicate.py``, ``parallel_apply.py``, ``_functions.py``).
 """
@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lslm.data_parallel.dp_apply import ReplicaError, parallel_apply
-from lslm.data_parallel.dp_comm import Gather, Route, Scatter, chunk_sizes
-from lslm.data_parallel.dp_ledger import Place, TransferLedger
-from lslm.data_parallel.dp_replicate import replicate
+from lslm.data_parallel.single_process.apply import ReplicaError, parallel_apply
+from lslm.data_parallel.single_process.comm import Gather, Route, Scatter, chunk_sizes
+from lslm.data_parallel.single_process.ledger import Place, TransferLedger
+from lslm.data_parallel.single_process.replicate import replicate
 
 __all__ = ["DataParallel", "ReplicaError", "TransferLedger", "chunk_sizes", "gather", "gpt_token_loss",
            "parallel_apply", "place_of", "replicate", "scatter", "to_devices"]

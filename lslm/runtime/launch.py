@@ -24,13 +24,14 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import psutil
 
-from lslm.dist.runtime import free_port
+from lslm.runtime.startup import free_port
 
 _RANK_LINE = re.compile(r"^\[rank (\d+)\] ")
 _PORT_IN_USE = re.compile(r"address already in use|EADDRINUSE|errno 98", re.IGNORECASE)
@@ -125,7 +126,7 @@ def validate(target: str | Callable[..., Any], nproc: int, nnodes: int = 1, time
     if grid_sizes:
         # Workers take the grid sizes as tp/pp/dp by convention: reject a grid that
         # cannot tile the world now, not after N processes have started.
-        from lslm.dist.grid import resolve_sizes
+        from lslm.runtime.grid import resolve_sizes
 
         resolve_sizes(nproc * nnodes, **grid_sizes)
     try:
@@ -181,7 +182,7 @@ def _kill_tree(procs: list[subprocess.Popen[str]], grace_s: float = 2.0) -> None
             pass
 
 
-def _reader(proc: subprocess.Popen[str], q: "queue.Queue[str | None]") -> None:
+def _reader(proc: subprocess.Popen[str], q: queue.Queue[str | None]) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
         q.put(line.rstrip("\n"))
@@ -234,13 +235,13 @@ def _run(plan: _Plan, timeout: float, output: str, extra_env: dict[str, str], py
     env.setdefault("LOGLEVEL", "ERROR")  # torchrun's agent is chatty at WARNING
     # The launching directory first, as `python -m` would see it, then any extra paths.
     env["PYTHONPATH"] = os.pathsep.join([*pythonpath, os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
-    worker = ["-m", "lslm.dist.worker", "--target", plan.target, "--args-file", str(args_file),
+    worker = ["-m", "lslm.runtime.worker", "--target", plan.target, "--args-file", str(args_file),
               "--result-dir", str(result_dir)]
     rdzv_id = uuid.uuid4().hex[:12]
     commands = [torchrun_command(plan.nproc, plan.nnodes, node, port, rdzv_id) + worker for node in range(plan.nnodes)]
 
     lines: list[str] = []
-    q: "queue.Queue[str | None]" = queue.Queue()
+    q: queue.Queue[str | None] = queue.Queue()
     procs: list[subprocess.Popen[str]] = []
     start = time.perf_counter()
     try:
@@ -314,7 +315,7 @@ def _emit(line: str, lines: list[str], output: str) -> None:
         print(line, flush=True)
 
 
-def _drain(q: "queue.Queue[str | None]", lines: list[str], output: str) -> int:
+def _drain(q: queue.Queue[str | None], lines: list[str], output: str) -> int:
     """Print everything queued so far; return how many streams ended."""
     ended = 0
     while True:

@@ -1,4 +1,4 @@
-"""lslm.dist: the runtime every technique hangs on.
+"""lslm.runtime: the runtime every technique hangs on.
 
 * :func:`init_distributed` - join the process group, choose device/backend, seed.
 * :class:`ParallelContext` - this rank's grid coordinates and tp/dp/pp groups.
@@ -8,13 +8,19 @@
 * :func:`rank_print` / :func:`progress` - rank-0 printing and progress bars.
 """
 
-from lslm.dist.context import ParallelContext
-from lslm.dist.grid import Coords, RankGrid, resolve_sizes
-from lslm.dist.launch import LaunchError, LaunchResults, LaunchTimeout, launch, torchrun_command
-from lslm.dist.ledger import Comm, CommLedger, CommRecord, bus_factor
-from lslm.dist.printing import progress, rank_print
-from lslm.dist.runtime import (RankEnv, choose_device_and_backend, free_port, init_distributed, seed_everything,
-                               synchronize)
+from lslm.runtime.context import ParallelContext
+from lslm.runtime.grid import Coords, RankGrid, resolve_sizes
+from lslm.runtime.launch import LaunchError, LaunchResults, LaunchTimeout, launch, torchrun_command
+from lslm.runtime.ledger import Comm, CommLedger, CommRecord, bus_factor
+from lslm.runtime.printing import progress, rank_print
+from lslm.runtime.startup import (
+                               RankEnv,
+                               choose_device_and_backend,
+                               free_port,
+                               init_distributed,
+                               seed_everything,
+                               synchronize,
+)
 
 __all__ = [
     "Comm", "CommLedger", "CommRecord", "Coords", "LaunchError", "LaunchResults", "LaunchTimeout",

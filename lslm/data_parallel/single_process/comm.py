@@ -9,7 +9,7 @@ Forward                                   Backward (what autograd runs in revers
 These mirror ``torch/nn/parallel/_functions.py`` (PyTorch's ``Scatter``,
 ``Broadcast``/``ReduceAddCoalesced`` and ``Gather``), written out one tensor at a
 time, without coalescing or side streams, and with every copy recorded in a
-:class:`~lslm.data_parallel.dp_ledger.TransferLedger`. Each is an
+:class:`~lslm.data_parallel.single_process.ledger.TransferLedger`. Each is an
 ``torch.autograd.Function`` so that the chain rule crosses the device
 boundaries by itself: a copy's gradient is the copy back, and a broadcast's
 gradient is a sum.
@@ -28,7 +28,7 @@ import torch
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
-from lslm.data_parallel.dp_ledger import Place, TransferLedger, tensor_bytes
+from lslm.data_parallel.single_process.ledger import Place, TransferLedger, tensor_bytes
 
 __all__ = ["Broadcast", "Gather", "Scatter", "chunk_sizes", "move"]
 
