@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lslm.data_parallel.ddp import BROADCAST_LABEL, GRAD_LABEL, VARIANTS, first_mismatch, make_ddp
+from lslm.metrics import memory_by_owner
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.runtime import init_distributed
 
@@ -106,6 +107,9 @@ def train_ddp(ctx: Any, variant: str, steps: int, accum: int, cap_mb: float, led
         opt.step()
         out["in_sync"].append(first_mismatch(ddp.module.named_parameters(), ctx.comm, ctx.dp_group, ctx.device))
     out["buckets"] = ddp.buckets  # after training: torch's are only seen by the ledger hook
+    out["memory"] = memory_by_owner(ddp, opt).to_dict()  # the wrapper brings its registered buffers
+    if variant == "torch":
+        out["reducer_bucket_bytes"] = ddp.reducer_bucket_bytes()
     out["params"] = _flat(ddp.module)
     return out
 
@@ -132,8 +136,22 @@ def suite(steps: int = 3, cap_mb: float = 0.05) -> dict[str, Any]:
     with init_distributed(seed=0) as ctx:
         model = _gpt(0)
         return {"cases": train_cases(ctx, steps, cap_mb), "misuse": misuse_cases(ctx),
+                "memory_adamw": memory_adamw_case(ctx, cap_mb),
                 "param_names": [name for name, _ in model.named_parameters()],
-                "param_numel": sum(p.numel() for p in model.parameters())}
+                "param_numel": sum(p.numel() for p in model.parameters()),
+                "param_numels": {name: p.numel() for name, p in model.named_parameters()}}
+
+
+def memory_adamw_case(ctx: Any, cap_mb: float) -> dict[str, Any]:
+    """Bucketed DDP + AdamW after one step: memory by owner (checked against hand counts in the test)."""
+    ddp = make_ddp(_gpt(SEED).to(ctx.device), ctx, variant="bucketed", bucket_cap_mb=cap_mb)
+    opt = torch.optim.AdamW(ddp.module.parameters(), lr=1e-3)
+    x, y = (t.to(ctx.device) for t in _batch(0, ROWS))
+    ddp(x, y)[1].backward()
+    ddp.finish_grad_sync()
+    opt.step()
+    return {"memory": memory_by_owner(ddp.module, opt, owners=[ddp]).to_dict(), "buckets": ddp.buckets,
+            "num_param_tensors": len(list(ddp.module.parameters()))}
 
 
 # -- bad input and unused parameters ------------------------------------------------------------

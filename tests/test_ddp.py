@@ -151,6 +151,46 @@ def test_bucketed_overlaps_backward_and_records_a_timeline(nproc: int) -> None:
             assert {e["step"] for e in events} == {step}
 
 
+# -- multi-process: memory by owner --------------------------------------------------------
+def _bucket_bytes(res: dict[str, Any], buckets: list[list[str]]) -> list[int]:
+    """Bytes of each bucket's flat buffer, by hand from the plan: fp32, Σ numel of its parameters."""
+    return [4 * sum(res["param_numels"][n] for n in bucket) for bucket in buckets]
+
+
+def _mem(case: dict[str, Any], category: str, kind: str = "resident") -> int:
+    return sum(case["memory"][kind][category].values())
+
+
+def test_registered_comm_buffers_equal_the_bucket_plan() -> None:
+    for rank, res in enumerate(_suite(2)):
+        psi = 4 * res["param_numel"]
+        for name, case in res["cases"].items():
+            where = (rank, name)
+            sizes = _bucket_bytes(res, case["buckets"])
+            expected = {"bucketed": sum(sizes), "fused": max(sizes) if sizes else 0}.get(name.split("/")[0], 0)
+            if name.startswith("bucketed"):
+                assert expected == case["grad_bytes"] == psi, where  # one flat buffer per bucket: 1 Psi in all
+            assert _mem(case, "comm_buffers") == _mem(case, "comm_buffers", "logical") == expected, where
+            assert list(case["memory"]["resident"]["comm_buffers"]) == ([] if expected == 0 else ["cpu"]), where
+            # SGD with momentum after 3 steps: params, grads, one momentum buffer each, Psi bytes apiece.
+            for category in ("parameters", "gradients", "optimizer_states"):
+                assert _mem(case, category) == _mem(case, category, "logical") == psi, (where, category)
+            if name.startswith("torch/"):  # torch's reducer buckets: not registered, sized by torch itself
+                assert sum(case["reducer_bucket_bytes"]) == psi, where
+
+
+def test_memory_by_owner_bucketed_adamw_hand_count() -> None:
+    for rank, res in enumerate(_suite(2)):
+        case = res["memory_adamw"]
+        psi, tensors = res["param_numel"], case["num_param_tensors"]
+        assert _mem(case, "parameters") == _mem(case, "gradients") == 4 * psi, rank
+        assert _mem(case, "optimizer_states") == 2 * 4 * psi + 4 * tensors, rank  # exp_avg, exp_avg_sq, step
+        sizes = _bucket_bytes(res, case["buckets"])
+        assert len(sizes) > 5 and _mem(case, "comm_buffers") == sum(sizes) == 4 * psi, rank
+        # 16 Psi of model states (fp32 AdamW) + 4 Psi of buckets, plus the step scalars.
+        assert case["memory"]["total_resident"] == case["memory"]["total_logical"] == 20 * psi + 4 * tensors, rank
+
+
 # -- multi-process: bad input and unused parameters -----------------------------------------
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_differing_replicas_without_broadcast_are_named(nproc: int) -> None:

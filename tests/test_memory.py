@@ -9,11 +9,17 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lslm.data_parallel.ddp.buckets import plan_buckets
 from lslm.metrics import (
+    CATEGORIES,
     ActivationMemory,
+    MemoryBreakdown,
+    MemoryOwner,
+    MemoryRegistry,
     MemoryReport,
     ModelStateBytes,
     format_bytes,
+    memory_by_owner,
     memory_report,
     model_state_bytes,
     peak_rss_bytes,
@@ -376,3 +382,239 @@ def test_memory_report_cuda_path_reads_allocator(monkeypatch: pytest.MonkeyPatch
     assert report.device == "cuda:0"
     assert [d for _, d in calls] == [torch.device("cuda:0")] * 3
     assert "allocated 3.0 MiB (peak 5.0 MiB), reserved 8.0 MiB" in str(report)
+
+
+# ---------------------------------------------------------------- by owner x device, resident and logical
+
+
+def _two_layers(dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 7), nn.Linear(7, 3)).to(dtype)
+
+
+PSI2 = (10 * 7 + 7) + (7 * 3 + 3)  # _two_layers: 101 elements in 4 tensors
+
+
+def _cells(b: MemoryBreakdown, kind: str = "resident") -> dict[str, dict[str, int]]:
+    """Non-empty rows only, for compact exact comparisons."""
+    return {c: row for c, row in (b.resident if kind == "resident" else b.logical).items() if row}
+
+
+class _BucketOwner:
+    """Stands in for a bucketed DDP wrapper: one flat fp32 buffer per planned bucket."""
+
+    def __init__(self, model: nn.Module, cap: int) -> None:
+        params = list(model.parameters())
+        self.plan = plan_buckets([p.numel() * 4 for p in params], cap)
+        self.registry = MemoryRegistry()
+        for b, idx in enumerate(self.plan):
+            self.registry.register("comm_buffers", torch.zeros(sum(params[i].numel() for i in idx)), f"bucket {b}")
+
+    def memory_owners(self) -> dict[str, list[torch.Tensor]]:
+        return self.registry.memory_owners()
+
+
+def test_by_owner_adamw_and_buckets_hand_count() -> None:
+    model = _two_layers()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _backward(model)
+    opt.step()
+    owner = _BucketOwner(model, cap=30 * F32)  # reverse order: [bias1 3 + weight1 21 el.], [bias0 7], [weight0 70]
+    assert owner.plan == [[3, 2], [1], [0]]
+    b = memory_by_owner(model, opt, owners=[owner])
+    psi = PSI2 * F32
+    expected = {
+        "parameters": {"cpu": psi},
+        "gradients": {"cpu": psi},
+        "optimizer_states": {"cpu": 2 * psi + 4 * 4},  # exp_avg, exp_avg_sq, one float32 step per tensor
+        "comm_buffers": {"cpu": (3 + 21) * F32 + 7 * F32 + 70 * F32},  # = psi: the buckets cover every grad
+    }
+    assert _cells(b) == _cells(b, "logical") == expected
+    assert b.get("comm_buffers") == psi and b.total() == 5 * psi + 16 and b.devices == ["cpu"]
+    assert b.num_storages == 4 + 4 + 3 * 4 + 3  # params, grads, Adam's 3 tensors each, buckets
+    ms = b.model_states()
+    assert (ms.params, ms.grads, ms.optimizer_states) == (psi, psi, 2 * psi + 16)
+    ref = model_state_bytes(model, opt)
+    assert (ms.params, ms.grads, ms.optimizer_states, ms.buffers) == (ref.params, ref.grads, ref.optimizer_states, 0)
+
+
+def test_freed_storage_is_zero_resident_full_logical() -> None:
+    model = _two_layers()
+    first = model[0].weight
+    first.data.untyped_storage().resize_(0)  # what ZeRO-3 does to a parameter outside its layer's forward
+    b = memory_by_owner(model)
+    assert b.get("parameters") == (PSI2 - 70) * F32
+    assert b.get("parameters", kind="logical") == PSI2 * F32
+    # Views of one flat buffer, then the buffer freed: one storage, 0 resident, the views' bytes logical.
+    flat = torch.zeros(30)
+    reg = MemoryRegistry()
+    reg.register_all("parameters", [flat[:10], flat[10:25]], "views")
+    assert (memory_by_owner(owners=[reg]).get("parameters"), memory_by_owner(owners=[reg]).num_storages) == (120, 1)
+    assert memory_by_owner(owners=[reg]).get("parameters", kind="logical") == 25 * F32  # padding: not addressed
+    flat.untyped_storage().resize_(0)
+    b = memory_by_owner(owners=[reg])
+    assert (b.get("parameters"), b.get("parameters", kind="logical"), b.num_storages) == (0, 25 * F32, 1)
+
+
+def test_views_and_repeats_of_one_storage_count_once() -> None:
+    base = torch.zeros(10, 10)
+    reg = MemoryRegistry()
+    reg.register("other", base)
+    reg.register("other", base)  # the same tensor twice
+    reg.register("other", base.t())  # a transposed view: the same 100 elements
+    reg.register("other", base[2:5])  # a slice inside it
+    reg.register("other", base.view(-1)[50:])
+    b = memory_by_owner(owners=[reg, reg])  # the same owner twice
+    assert (b.get("other"), b.get("other", kind="logical"), b.num_storages) == (400, 400, 1)
+    # Overlapping slices of a storage nobody registered whole: their union.
+    other = torch.zeros(100)
+    reg2 = MemoryRegistry()
+    reg2.register_all("other", [other[0:30], other[20:50], other[70:80]])
+    b = memory_by_owner(owners=[reg2])
+    assert (b.get("other"), b.get("other", kind="logical")) == (400, 60 * F32)
+
+
+def test_storage_under_two_categories_counts_in_the_first() -> None:
+    model = _linear()
+    _backward(model)
+    # A grad also registered as a comm buffer, and a bucket whose views are the grads
+    # (torch's gradient_as_bucket_view): gradients win, the bucket costs nothing extra.
+    bucket = torch.zeros(PSI)
+    model.weight.grad = bucket[:70].view(7, 10)
+    model.bias.grad = bucket[70:]
+    reg = MemoryRegistry()
+    reg.register("comm_buffers", bucket, "bucket 0")
+    reg.register("comm_buffers", model.bias.grad, "again")
+    b = memory_by_owner(model, owners=[reg])
+    assert _cells(b) == {"parameters": {"cpu": 308}, "gradients": {"cpu": 308}}
+    assert b.get("comm_buffers") == 0
+    reg2 = MemoryRegistry()
+    reg2.register("other", model.weight)  # parameters come before other
+    assert memory_by_owner(model, owners=[reg2]).get("other") == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_master_weights_and_main_grads_of_a_half_model(dtype: torch.dtype) -> None:
+    model = _linear(dtype)
+    masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.AdamW(masters)
+    _backward(model, dtype)
+    for master, p in zip(masters, model.parameters()):
+        master.grad = p.grad.float()
+    opt.step()
+    b = memory_by_owner(model, opt)
+    assert _cells(b) == {"parameters": {"cpu": 2 * PSI}, "gradients": {"cpu": 2 * PSI},
+                         "master_weights": {"cpu": 4 * PSI}, "main_grads": {"cpu": 4 * PSI},
+                         "optimizer_states": {"cpu": 8 * PSI + 2 * 4}}
+    for master in masters:
+        master.grad = None  # transient, as ZeRO assumes: 2 + 2 + 4 + 8 = 16 bytes per parameter
+    b = memory_by_owner(model, opt)
+    assert b.total() == 16 * PSI + 2 * 4 and b.get("main_grads") == 0
+    theory = theory_model_state_bytes(PSI, dtype, "adam", num_param_tensors=2, master_weights=True)
+    assert b.model_states().total == theory.total
+    # Megatron style: an fp32 main_grad buffer on each parameter.
+    for p in model.parameters():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+    assert memory_by_owner(model).get("main_grads") == 4 * PSI
+    # Without the model, the optimizer's parameters are simply parameters.
+    assert memory_by_owner(optimizer=opt).get("parameters") == 4 * PSI
+
+
+def test_module_buffers_meta_device_and_device_order() -> None:
+    bn = nn.BatchNorm1d(4)
+    assert _cells(memory_by_owner(bn)) == {"parameters": {"cpu": 32}, "module_buffers": {"cpu": 40}}
+    meta = nn.Linear(10, 7, device="meta")
+    b = memory_by_owner(meta)
+    assert (b.get("parameters", "meta"), b.get("parameters", "meta", "logical")) == (0, 308)
+    assert b.devices == ["meta"]
+    fake = MemoryBreakdown.from_dict({"resident": {"parameters": {"cuda:1": 1, "cpu": 2, "cuda:0": 3}},
+                                      "logical": {"parameters": {"cuda:10": 4}}})
+    assert fake.devices == ["cpu", "cuda:0", "cuda:1", "cuda:10"]
+    assert fake.get("parameters", "cuda:0") == 3 and fake.get("parameters", torch.device("cuda", 1)) == 1
+    assert fake.total("cuda:10", "logical") == 4 and fake.total() == 6
+
+
+def test_activations_row_by_device() -> None:
+    model = _mlp()
+    with ActivationMemory(model) as act:
+        loss = model(torch.randn(4, 10)).sum()
+    loss.backward()
+    assert act.bytes_by_device == {"cpu": 480}
+    b = memory_by_owner(model, activations=act)
+    assert b.get("activations") == b.get("activations", kind="logical") == 480
+    assert b.get("parameters") == (10 * 20 + 20 + 20 * 5 + 5) * F32
+
+
+def test_registry_and_owner_errors() -> None:
+    reg = MemoryRegistry()
+    with pytest.raises(ValueError, match="unknown memory category 'grads'"):
+        reg.register("grads", torch.zeros(1))
+    with pytest.raises(TypeError, match="takes a tensor"):
+        reg.register("other", [torch.zeros(1)])  # type: ignore[arg-type]
+    t = reg.register("comm_buffers", torch.zeros(4), "a")
+    reg.register("other", torch.zeros(2), "b")
+    assert isinstance(t, torch.Tensor) and len(reg) == 2 and isinstance(reg, MemoryOwner)
+    assert [e.label for e in reg.entries] == ["a", "b"]
+    assert reg.remove("a") == 1 and set(reg.memory_owners()) == {"other"}
+    reg.clear()
+    assert memory_by_owner(owners=[reg]).total() == 0
+    with pytest.raises(TypeError, match=r"owners\[0\] \(Linear\) has no memory_owners"):
+        memory_by_owner(owners=[nn.Linear(2, 2)])
+
+    class Bad:
+        def memory_owners(self) -> dict[str, list[torch.Tensor]]:
+            return {"bucket": [torch.zeros(1)]}
+
+    with pytest.raises(ValueError, match=r"Bad.memory_owners\(\) reported unknown category 'bucket'"):
+        memory_by_owner(owners=[Bad()])
+    with pytest.raises(ValueError, match="kind must be one of"):
+        memory_by_owner().get("parameters", kind="peak")
+    assert set(CATEGORIES) >= {"parameters", "gradients", "master_weights", "main_grads", "optimizer_states",
+                               "comm_buffers", "activations"}
+
+
+def test_breakdown_table_and_json() -> None:
+    model = _linear()
+    _backward(model)
+    model.weight.grad.untyped_storage().resize_(0)
+    b = memory_by_owner(model)
+    assert b.table("B").splitlines() == [
+        "category (B)  cpu resident  cpu logical",
+        "parameters             308          308",
+        "gradients               28          308",
+        "total                  336          616",
+    ]
+    text = str(b)
+    assert text.startswith("category (MiB)") and "0.00" in text
+    assert len(b.table(all_rows=True).splitlines()) == len(CATEGORIES) + 2
+    data = json.loads(json.dumps(b.to_dict()))
+    assert (data["total_resident"], data["total_logical"]) == (336, 616)
+    assert MemoryBreakdown.from_dict(data) == b
+    with pytest.raises(ValueError, match="unit must be one of"):
+        b.table("MB")
+
+
+def test_memory_report_by_owner_is_additive(monkeypatch: pytest.MonkeyPatch) -> None:
+    _forbid_cuda(monkeypatch)
+    model = _linear()
+    _backward(model)
+    reg = MemoryRegistry()
+    reg.register("comm_buffers", torch.zeros(25), "bucket")
+    report = memory_report("cpu", model, owners=[reg])
+    assert report.model_state == model_state_bytes(model)  # the old fields, unchanged
+    assert report.by_owner is not None and report.by_owner.get("comm_buffers") == 100
+    assert report.allocated_untracked is None  # CPU: no allocator numbers to compare with
+    data = json.loads(json.dumps(report.to_dict()))
+    assert {"device", "allocated", "peak_allocated", "reserved", "rss", "peak_rss", "model_state"} <= set(data)
+    assert data["by_owner"]["total_resident"] == 308 * 2 + 100
+    assert memory_report("cpu").by_owner is None and memory_report("cpu").to_dict()["by_owner"] is None
+
+
+def test_memory_report_cuda_untracked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 5000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 6000)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 8000)
+    reg = MemoryRegistry()
+    reg.register("other", torch.zeros(10))  # on the CPU: not part of cuda:0's allocation
+    report = memory_report("cuda:0", owners=[reg])
+    assert report.allocated_untracked == 5000 and report.by_owner.get("other", "cpu") == 40

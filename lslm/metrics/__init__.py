@@ -1,10 +1,15 @@
-"""Measurement: memory accounting (CPU and CUDA alike), next to the theory formulas."""
+"""Measurement: memory accounting by owner and device (CPU and CUDA alike), next to the theory formulas."""
 
 from lslm.metrics.memory import (
+    CATEGORIES,
     ActivationMemory,
+    MemoryBreakdown,
+    MemoryOwner,
+    MemoryRegistry,
     MemoryReport,
     ModelStateBytes,
     format_bytes,
+    memory_by_owner,
     memory_report,
     model_state_bytes,
     peak_rss_bytes,
@@ -14,10 +19,15 @@ from lslm.metrics.memory import (
 )
 
 __all__ = [
+    "CATEGORIES",
     "ActivationMemory",
+    "MemoryBreakdown",
+    "MemoryOwner",
+    "MemoryRegistry",
     "MemoryReport",
     "ModelStateBytes",
     "format_bytes",
+    "memory_by_owner",
     "memory_report",
     "model_state_bytes",
     "peak_rss_bytes",

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lslm.metrics.storage import StorageWeakRef, format_bytes, storage_of
+from lslm.metrics.storage import StorageWeakRef, format_bytes, storage_local, storage_of
 
 
 class ActivationMemory:
@@ -23,6 +23,7 @@ class ActivationMemory:
         act.bytes, act.num_tensors
 
     Attributes: ``bytes`` (sum of unique saved storages, full storage size),
+    ``bytes_by_device`` (the same split by device, e.g. ``{"cpu": ...}``),
     ``num_tensors`` (saved tensors counted, including repeats of one storage),
     ``num_storages`` (unique storages). When ``model`` is given, storages of
     its parameters and buffers are excluded: they are model states, not
@@ -42,6 +43,7 @@ class ActivationMemory:
         """Prepare a counter; ``model``'s parameters and buffers are not counted."""
         self.model = model
         self.bytes = 0
+        self.bytes_by_device: dict[str, int] = {}
         self.num_tensors = 0
         self.num_storages = 0
         self._seen: dict[Hashable, Any] = {}
@@ -52,6 +54,7 @@ class ActivationMemory:
         if self._hooks is not None:
             raise RuntimeError("ActivationMemory is already active; use a new instance to nest")
         self.bytes = self.num_tensors = self.num_storages = 0
+        self.bytes_by_device = {}
         self._seen = {}
         self._excluded = set()
         if self.model is not None:
@@ -85,6 +88,8 @@ class ActivationMemory:
             StorageWeakRef(storage) if storage is not None and StorageWeakRef is not None else None
         )
         self.bytes += nbytes
+        device = str(storage_local(t).device)
+        self.bytes_by_device[device] = self.bytes_by_device.get(device, 0) + nbytes
         self.num_storages += 1
         return t  # returned as is, so autograd gets the very tensor it saved
 

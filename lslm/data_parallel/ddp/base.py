@@ -30,6 +30,13 @@ broadcast to every rank of the dp group (one flat broadcast per dtype, label
 ``broadcast_params=False`` the replicas are checked instead (a 64-bit hash per
 tensor, all-gathered) and ``ValueError`` names the first tensor that differs.
 
+**Memory.** Each wrapper registers the buffers it keeps in ``memory_registry`` (a
+:class:`~lslm.metrics.owners.MemoryRegistry`, one per wrapper) and reports them through
+``memory_owners()``, so ``lslm.metrics.memory_by_owner(ddp, optimizer)`` counts them as
+``comm_buffers`` next to the model states: bucketed keeps one flat buffer per bucket
+(together the size of all gradients, ≈ 1 Ψ), fused one buffer per dtype as large as
+its largest bucket, naive nothing (see each class).
+
 Communication goes through ``ctx.comm`` (the ledger) on ``ctx.dp_group``; gradient
 all-reduces carry the label ``"ddp-grad"`` and add up to exactly ``grad_bytes`` per
 synchronised step. We use SUM then divide by the group size, not ``ReduceOp.AVG``:
@@ -52,6 +59,7 @@ from torch.distributed import ReduceOp
 
 from lslm.data_parallel.ddp.buckets import cap_bytes, plan_buckets
 from lslm.data_parallel.ddp.checks import first_mismatch
+from lslm.metrics.owners import MemoryRegistry
 
 GRAD_LABEL = "ddp-grad"
 BROADCAST_LABEL = "ddp-broadcast"
@@ -84,7 +92,8 @@ class DDPBase(nn.Module):
     Attributes: ``module`` (the wrapped model), ``grad_bytes`` (bytes of the gradients
     synchronised per step: every parameter with ``requires_grad``, shared ones once),
     ``world_size`` (dp group size), ``timeline`` (bucket events when
-    ``record_timeline=True``), ``buckets`` (parameter names per all-reduce message).
+    ``record_timeline=True``), ``buckets`` (parameter names per all-reduce message),
+    ``memory_registry`` (the buffers this wrapper keeps, by memory category).
     """
 
     variant = "base"
@@ -109,6 +118,7 @@ class DDPBase(nn.Module):
         self.record_timeline = bool(record_timeline)
         self.timeline: list[dict[str, Any]] = []
         self._timeline_lock = threading.Lock()
+        self.memory_registry = MemoryRegistry()  # subclasses register their communication buffers here
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # shared tensors once
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -163,6 +173,14 @@ class DDPBase(nn.Module):
     def buckets(self) -> list[list[str]]:
         """Parameter names of each all-reduce message, in the order they are sent."""
         return [[n] for n in self.param_names]
+
+    def memory_owners(self) -> dict[str, list[torch.Tensor]]:
+        """What this wrapper keeps alive, ``{category: [tensors]}`` (the model's own tensors excluded).
+
+        Read by :func:`lslm.metrics.memory_by_owner`; the wrapped model's parameters and
+        gradients come from the model itself (pass the wrapper as the model, or as an owner).
+        """
+        return self.memory_registry.memory_owners()
 
     def reset_timeline(self) -> None:
         """Forget the recorded events."""

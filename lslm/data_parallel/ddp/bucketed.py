@@ -32,7 +32,7 @@ class BucketedDDP(BucketPlanDDP):
     We *copy* gradients into the buckets (and back) rather than making ``.grad`` a view
     into the bucket buffer (torch's ``gradient_as_bucket_view=True``): simpler and
     safe with ``zero_grad(set_to_none=True)``, at the price of 2 memory copies of Ψ
-    and one extra Ψ of buffers.
+    and one extra Ψ of buffers (registered as ``comm_buffers``: ``memory_owners()``).
 
     **Cost (alpha-beta model).** Same bytes as naive and fused, ``2(n-1)/n · Ψ`` per
     rank with a ring, in ``B`` calls; but all buckets except the last overlap with
@@ -57,7 +57,7 @@ class BucketedDDP(BucketPlanDDP):
                  find_unused_parameters: bool = False, record_timeline: bool = False) -> None:
         super().__init__(module, ctx, bucket_cap_mb=bucket_cap_mb, broadcast_params=broadcast_params,
                          find_unused_parameters=find_unused_parameters, record_timeline=record_timeline)
-        self._buffers: list[torch.Tensor] = []
+        self._bucket_buffers: list[torch.Tensor] = []
         self._where: dict[int, tuple[int, int]] = {}  # param index -> (bucket, offset in its buffer)
         for b, idx in enumerate(self._plan):
             offset = 0
@@ -65,7 +65,8 @@ class BucketedDDP(BucketPlanDDP):
                 self._where[i] = (b, offset)
                 offset += self.params[i].numel()
             p0 = self.params[idx[0]]
-            self._buffers.append(torch.zeros(offset, dtype=p0.dtype, device=p0.device))
+            buf = torch.zeros(offset, dtype=p0.dtype, device=p0.device)
+            self._bucket_buffers.append(self.memory_registry.register("comm_buffers", buf, f"bucket {b}"))
         self._lock = threading.Lock()  # hooks may run on autograd's device thread
         self._reset_state()
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
@@ -106,7 +107,7 @@ class BucketedDDP(BucketPlanDDP):
                                    "synchronising backward (reentrant checkpointing, or a second backward before "
                                    "finish_grad_sync()); its bucket may already be on the wire")
             b, offset = self._where[i]
-            self._buffers[b][offset:offset + param.numel()].view_as(param).copy_(param.grad)
+            self._bucket_buffers[b][offset:offset + param.numel()].view_as(param).copy_(param.grad)
             self._ready[i] = True
             self._missing[b] -= 1
             if self._missing[b] == 0:
@@ -114,13 +115,13 @@ class BucketedDDP(BucketPlanDDP):
                 self._launch_in_order()
 
     def _nbytes(self, b: int) -> int:
-        return self._buffers[b].numel() * self._buffers[b].element_size()
+        return self._bucket_buffers[b].numel() * self._bucket_buffers[b].element_size()
 
     def _launch_in_order(self) -> None:
         while self._next < len(self._plan) and self._missing[self._next] == 0:
             b = self._next
             t_start = time.perf_counter()
-            work = self.comm.all_reduce(self._buffers[b], ReduceOp.SUM, group=self.group, async_op=True,
+            work = self.comm.all_reduce(self._bucket_buffers[b], ReduceOp.SUM, group=self.group, async_op=True,
                                         label=GRAD_LABEL)
             if self.record_timeline:  # the callback runs when the all-reduce completes; we wait for it too
                 work = work.get_future().then(
@@ -142,7 +143,7 @@ class BucketedDDP(BucketPlanDDP):
                 for i in unready:  # zero (or what no_sync() micro-batches accumulated) counts as this rank's share
                     p = self.params[i]
                     b, offset = self._where[i]
-                    view = self._buffers[b][offset:offset + p.numel()].view_as(p)
+                    view = self._bucket_buffers[b][offset:offset + p.numel()].view_as(p)
                     if p.grad is not None:
                         view.copy_(p.grad)
                     else:
@@ -158,7 +159,7 @@ class BucketedDDP(BucketPlanDDP):
             self._reset_state()
         for b, idx in enumerate(self._plan):
             works[b].wait()
-            buf = self._buffers[b]
+            buf = self._bucket_buffers[b]
             buf.div_(self.world_size)
             for i in idx:
                 p = self.params[i]

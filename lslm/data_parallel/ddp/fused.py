@@ -21,7 +21,9 @@ class FusedDDP(BucketPlanDDP):
     bucket's gradients into one contiguous *fusion buffer*, all-reduces it (SUM),
     divides by ``n`` and copies the results back into ``.grad``. One buffer per dtype,
     as large as the largest bucket, is reused for every bucket: the extra memory is
-    one bucket, not a second copy of all gradients.
+    one bucket, not a second copy of all gradients. These buffers are registered as
+    ``comm_buffers`` (``memory_owners()``): ``max over buckets of Σ numel · element_size``
+    per dtype.
 
     **Cost (alpha-beta model).** Same bytes as naive, ``2(n-1)/n · Ψ`` per rank with a
     ring, but in ``B`` calls instead of ``P`` (``B ≈ Ψ / cap``): time
@@ -44,6 +46,8 @@ class FusedDDP(BucketPlanDDP):
             key = (p0.dtype, p0.device)
             if key not in self._fusion or self._fusion[key].numel() < numel:
                 self._fusion[key] = torch.empty(numel, dtype=p0.dtype, device=p0.device)
+        for (dtype, _), buf in self._fusion.items():
+            self.memory_registry.register("comm_buffers", buf, f"fusion buffer {dtype}")
 
     def _sync_grads(self) -> None:
         _, nobody = self._check_missing()

@@ -26,6 +26,10 @@ class NaiveDDP(DDPBase):
     nothing overlaps with backward: communication starts only when compute has ended.
     Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating Data Parallel
     Training" (VLDB), §3.2, measure exactly this and motivate buckets with it.
+
+    **Memory.** No buffer of its own: the all-reduce runs in place on ``.grad`` (a
+    non-contiguous gradient gets a temporary contiguous copy, freed at once), so
+    ``memory_owners()`` reports nothing.
     """
 
     variant = "naive"

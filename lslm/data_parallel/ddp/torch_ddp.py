@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 import time
 from typing import Any
 
@@ -37,6 +38,15 @@ class TorchDDP(DDPBase):
     :meth:`use_ledger_comm_hook` replaces them with ledger calls (a DDP comm hook);
     ``record_timeline=True`` installs that hook, since torch keeps no timeline.
     ``.module`` is the wrapped model; ``.ddp`` is the torch object.
+
+    **Memory.** The reducer's bucket buffers live inside torch's C++ ``Reducer`` and
+    are not reachable as tensors, so ``memory_owners()`` reports nothing and
+    :func:`lslm.metrics.memory_by_owner` does not see them. :meth:`reducer_bucket_bytes`
+    reads their sizes from torch's own DDP logging data instead: one flat buffer per
+    bucket, together the size of all gradients (≈ 1 Ψ, like
+    :class:`~lslm.data_parallel.ddp.bucketed.BucketedDDP`) with torch's default
+    ``gradient_as_bucket_view=False``; with ``True`` the gradients are views into them and
+    the buckets cost nothing beyond the gradients.
     """
 
     variant = "torch"
@@ -71,6 +81,23 @@ class TorchDDP(DDPBase):
     def finish_grad_sync(self) -> None:
         """No-op: torch's reducer has already averaged the gradients inside ``backward()``."""
         self._step += 1
+
+    def reducer_bucket_bytes(self) -> list[int] | None:
+        """Bytes of each of the reducer's bucket buffers (torch's numbers), or None if torch does not say.
+
+        Read from ``DistributedDataParallel._get_ddp_logging_data()`` (a private API,
+        hence the None fallback): ``"rebuilt_bucket_sizes"`` once torch has re-planned
+        the buckets and logged it (a few iterations in), else ``"bucket_sizes"`` (the
+        initial plan). Either way they add up to the gradients' bytes.
+        """
+        try:
+            data = self.ddp._get_ddp_logging_data()
+        except (AttributeError, RuntimeError):
+            return None
+        sizes = data.get("rebuilt_bucket_sizes", data.get("bucket_sizes"))
+        if sizes is None:
+            return None
+        return [int(s) for s in re.findall(r"\d+", str(sizes))]
 
     @property
     def buckets(self) -> list[list[str]]:
