@@ -35,13 +35,17 @@ VARIANTS = {"all_reduce_ring[pipelined]": ("all_reduce_ring", {"pipeline_bytes":
             "all_reduce_ring[whole chunks]": ("all_reduce_ring", {"pipeline_bytes": None})}
 
 
-def _data(seed: int, numel: int, dtype: torch.dtype, op: str = "sum", normal: bool = False) -> torch.Tensor:
-    """Deterministic data: small integers (exact in fp16/bf16 sums and products), or standard normals."""
+def _data(seed: int, numel: int, dtype: torch.dtype, op: str = "sum", normal: bool = False,
+          device: torch.device | str = "cpu") -> torch.Tensor:
+    """Deterministic data on ``device``: small integers (exact in fp16/bf16 sums and products), or standard normals.
+
+    Drawn on the CPU (one generator, the same numbers on every backend), then moved.
+    """
     g = torch.Generator().manual_seed(seed)
     if normal:
-        return torch.randn(numel, generator=g).to(dtype)
+        return torch.randn(numel, generator=g, device="cpu").to(device, dtype)
     hi = 3 if op == "prod" else 8  # |product| <= 3^4 = 81 and |sum| <= 4 * 8 stay exact in bf16 (8-bit mantissa)
-    return torch.randint(-hi, hi + 1, (numel,), generator=g).to(dtype)
+    return torch.randint(-hi, hi + 1, (numel,), generator=g, device="cpu").to(device, dtype)
 
 
 def _ledger_bytes(comm: Comm) -> list[int]:
@@ -84,14 +88,14 @@ def _run_case(name: str, x: torch.Tensor, root: int, op: str, group: Any, comm: 
         # On other ranks the input must be left untouched (torch's reduce may scribble on it).
         return ours, expected if gv.ranks[r] == root else x
     if kind == "all_gather":
-        ours = algo.fn(torch.empty(n * x.numel(), dtype=x.dtype), x.clone(), comm=comm, group=group)
-        expected = torch.empty(n * x.numel(), dtype=x.dtype)
+        ours = algo.fn(x.new_empty(n * x.numel()), x.clone(), comm=comm, group=group)
+        expected = x.new_empty(n * x.numel())
         if x.numel():
             ref.all_gather_into_tensor(expected, x.clone(), group=group)
         return ours, expected
     if kind == "reduce_scatter":
         a, b = chunk_bounds(x.numel(), n)[r]
-        ours = algo.fn(torch.empty(b - a, dtype=x.dtype), x.clone(), op=op, comm=comm, group=group)
+        ours = algo.fn(x.new_empty(b - a), x.clone(), op=op, comm=comm, group=group)
         full = x.clone()
         if x.numel():
             ref.all_reduce(full, op=top, group=group)  # uneven chunks: torch's reduce-scatter wants equal ones
@@ -105,16 +109,16 @@ def _run_case(name: str, x: torch.Tensor, root: int, op: str, group: Any, comm: 
     m = x.numel()
     if kind == "scatter":
         items = [x * (i + 1) for i in range(n)] if gv.ranks[r] == root else None
-        ours = algo.fn(torch.empty(m, dtype=x.dtype), items, root, comm=comm, group=group)
-        expected = torch.empty(m, dtype=x.dtype)
+        ours = algo.fn(x.new_empty(m), items, root, comm=comm, group=group)
+        expected = x.new_empty(m)
         if m:
             ref.scatter(expected, [t.clone() for t in items] if items else None, root, group=group)
         return ours, expected
     # gather
     is_root = gv.ranks[r] == root
-    got = algo.fn(x.clone(), [torch.empty(m, dtype=x.dtype) for _ in range(n)] if is_root else None, root,
+    got = algo.fn(x.clone(), [x.new_empty(m) for _ in range(n)] if is_root else None, root,
                   comm=comm, group=group)
-    expected = [torch.empty(m, dtype=x.dtype) for _ in range(n)] if is_root else None
+    expected = [x.new_empty(m) for _ in range(n)] if is_root else None
     if m:
         ref.gather(x.clone(), expected, root, group=group)
     if not is_root:
@@ -154,7 +158,7 @@ def _cases(n: int, lengths: list[int], dtypes: tuple[str, ...]) -> list[tuple[st
 TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (2e-2, 6.25e-2)}
 
 
-def _sweep(comm: Comm, ref: Comm, group: Any, lengths: list[int], seed0: int,
+def _sweep(comm: Comm, ref: Comm, group: Any, lengths: list[int], seed0: int, device: torch.device,
            dtypes: tuple[str, ...] = tuple(DTYPES)) -> tuple[list[str], list[list[Any]]]:
     gv = group_view(group)
     n, r = gv.size, gv.rank
@@ -165,7 +169,7 @@ def _sweep(comm: Comm, ref: Comm, group: Any, lengths: list[int], seed0: int,
         algo = ALGORITHMS[base]
         roots = [gv.ranks[0], gv.ranks[-1]] if algo.kind in ROOTED else [gv.ranks[0]]
         for root in roots:
-            x = _data(seed0 + 1000 * i + gv.ranks[r], numel, DTYPES[dtype], op, normal)
+            x = _data(seed0 + 1000 * i + gv.ranks[r], numel, DTYPES[dtype], op, normal, device)
             comm.ledger.reset()
             ours, expected = _run_case(name, x, root, op, group, comm, ref)
             tol = TOLERANCE[dtype] if normal else None
@@ -176,12 +180,12 @@ def _sweep(comm: Comm, ref: Comm, group: Any, lengths: list[int], seed0: int,
     return mismatches, volumes
 
 
-def _non_contiguous(comm: Comm, ref: Comm) -> list[str]:
+def _non_contiguous(comm: Comm, ref: Comm, device: torch.device) -> list[str]:
     """A transposed 2-D tensor goes through the flatten-once / write-back path of in-place collectives."""
     bad = []
     r = dist.get_rank()
     for name in ("all_reduce_ring", "all_reduce_tree", "broadcast_tree"):
-        x = _data(77 + r, 35, torch.float32).view(5, 7).t()
+        x = _data(77 + r, 35, torch.float32, device=device).view(5, 7).t()
         expected = x.contiguous()
         if name == "broadcast_tree":
             ours = ALGORITHMS[name].fn(x.clone(), 0, comm=comm)
@@ -194,25 +198,25 @@ def _non_contiguous(comm: Comm, ref: Comm) -> list[str]:
     return bad
 
 
-def _validation_failures(comm: Comm, n: int, r: int) -> list[str]:
+def _validation_failures(comm: Comm, n: int, r: int, dev: torch.device) -> list[str]:
     """Bad arguments must raise ValueError before any message is sent (so the ranks stay in step)."""
     from lslm import collectives as C
 
-    x = torch.ones(29)
+    x = torch.ones(29, device=dev)
     cases: dict[str, Callable[[], Any]] = {
-        "all_gather output size": lambda: C.all_gather_ring(torch.empty(n * 29 + 1), x, comm=comm),
-        "reduce_scatter output size": lambda: C.reduce_scatter_ring(torch.empty(29 // n + 5), x, comm=comm),
-        "all_to_all not divisible": lambda: C.all_to_all_pairwise(torch.empty(29), x, comm=comm),
+        "all_gather output size": lambda: C.all_gather_ring(torch.empty(n * 29 + 1, device=dev), x, comm=comm),
+        "reduce_scatter output size": lambda: C.reduce_scatter_ring(torch.empty(29 // n + 5, device=dev), x, comm=comm),
+        "all_to_all not divisible": lambda: C.all_to_all_pairwise(torch.empty(29, device=dev), x, comm=comm),
         "all_to_all aliasing": lambda: C.all_to_all_pairwise(x[: 4 * n], x[: 4 * n], comm=comm),
         "broadcast src outside": lambda: C.broadcast_tree(x.clone(), n + 5, comm=comm),
         "reduce unknown op": lambda: C.reduce_tree(x.clone(), 0, op="mean", comm=comm),
         "all_reduce unknown op": lambda: C.all_reduce_ring(x.clone(), op="avg", comm=comm),
-        "mixed dtypes": lambda: C.all_gather_ring(torch.empty(n * 29, dtype=torch.int64), x, comm=comm),
+        "mixed dtypes": lambda: C.all_gather_ring(torch.empty(n * 29, dtype=torch.int64, device=dev), x, comm=comm),
     }
     if r == 0:  # root-only arguments are only validated on the root
-        cases["scatter list length"] = lambda: C.scatter(torch.empty(29), [x] * (n + 1), 0, comm=comm)
+        cases["scatter list length"] = lambda: C.scatter(torch.empty(29, device=dev), [x] * (n + 1), 0, comm=comm)
         cases["gather non-contiguous"] = lambda: C.gather(
-            x, [torch.empty(29, 2)[:, 0] for _ in range(n)], 0, comm=comm)
+            x, [torch.empty(29, 2, device=dev)[:, 0] for _ in range(n)], 0, comm=comm)
     failures = []
     for what, call in cases.items():
         try:
@@ -230,11 +234,11 @@ def _validation_failures(comm: Comm, n: int, r: int) -> list[str]:
 def collectives_vs_torch(lengths: list[int], subgroups: bool = False) -> dict[str, Any]:
     """Every algorithm x dtype x length x root (x op) against torch; with ``subgroups``, on two subgroups too."""
     with init_distributed(timeout_s=30) as ctx:
-        comm, ref = Comm(), Comm()
+        comm, ref, dev = Comm(device=ctx.device), Comm(device=ctx.device), ctx.device
         start = time.perf_counter()
-        validation = _validation_failures(comm, ctx.world_size, ctx.rank)
-        mismatches, volumes = _sweep(comm, ref, None, lengths, seed0=0)
-        mismatches += _non_contiguous(comm, ref)
+        validation = _validation_failures(comm, ctx.world_size, ctx.rank, dev)
+        mismatches, volumes = _sweep(comm, ref, None, lengths, 0, dev)
+        mismatches += _non_contiguous(comm, ref, dev)
         groups: list[list[int]] = []
         if subgroups:
             n = ctx.world_size
@@ -245,13 +249,13 @@ def collectives_vs_torch(lengths: list[int], subgroups: bool = False) -> dict[st
             for ranks, pg in zip(groups, handles):
                 if ctx.rank not in ranks:
                     try:
-                        ALGORITHMS["all_reduce_ring"].fn(torch.ones(3), comm=comm, group=pg)
+                        ALGORITHMS["all_reduce_ring"].fn(torch.ones(3, device=dev), comm=comm, group=pg)
                         validation.append(f"rank {ctx.rank} outside {ranks} was not refused")
                     except ValueError:
                         pass
                 else:
                     # Fewer cases here: the group logic does not depend on the dtype or the edge lengths.
-                    m, v = _sweep(comm, ref, pg, [k for k in lengths if k > 1], seed0=10**6,
+                    m, v = _sweep(comm, ref, pg, [k for k in lengths if k > 1], 10**6, dev,
                                   dtypes=("float32", "int64"))
                     mismatches += m
                     volumes += v
@@ -259,11 +263,11 @@ def collectives_vs_torch(lengths: list[int], subgroups: bool = False) -> dict[st
                 "seconds": time.perf_counter() - start, "groups": groups}
 
 
-def _mismatched_calls(n: int, r: int, comm: Comm) -> list[tuple[str, Callable[[], Any]]]:
+def _mismatched_calls(n: int, r: int, comm: Comm, dev: torch.device) -> list[tuple[str, Callable[[], Any]]]:
     """One call per algorithm in which the last rank disagrees (size, dtype or root)."""
     last = r == n - 1
     numel = 8 + (3 if last else 0)
-    x = torch.ones(numel, dtype=torch.float16 if last else torch.float32)
+    x = torch.ones(numel, dtype=torch.float16 if last else torch.float32, device=dev)
     root = n - 1 if last else 0  # a root mismatch on the rooted kinds
     calls: list[tuple[str, Callable[[], Any]]] = []
     for name, algo in ALGORITHMS.items():
@@ -271,19 +275,23 @@ def _mismatched_calls(n: int, r: int, comm: Comm) -> list[tuple[str, Callable[[]
         if k == "all_reduce":
             calls.append((name, lambda fn=fn: fn(x.clone(), comm=comm)))
         elif k in ("broadcast", "reduce"):
-            calls.append((name, lambda fn=fn: fn(torch.ones(8), root, comm=comm)))
+            calls.append((name, lambda fn=fn: fn(torch.ones(8, device=dev), root, comm=comm)))
         elif k == "all_gather":
-            calls.append((name, lambda fn=fn: fn(torch.empty(n * numel), torch.ones(numel), comm=comm)))
+            calls.append((name, lambda fn=fn: fn(torch.empty(n * numel, device=dev), torch.ones(numel, device=dev),
+                                                  comm=comm)))
         elif k == "reduce_scatter":
             size = chunk_bounds(n * numel, n)[r]
-            calls.append((name, lambda fn=fn, s=size: fn(torch.empty(s[1] - s[0]), torch.ones(n * numel), comm=comm)))
+            calls.append((name, lambda fn=fn, s=size: fn(torch.empty(s[1] - s[0], device=dev),
+                                                         torch.ones(n * numel, device=dev), comm=comm)))
         elif k == "all_to_all":
-            calls.append((name, lambda fn=fn: fn(torch.empty(n * numel), torch.ones(n * numel), comm=comm)))
+            calls.append((name, lambda fn=fn: fn(torch.empty(n * numel, device=dev),
+                                                  torch.ones(n * numel, device=dev), comm=comm)))
         elif k == "scatter":
-            calls.append((name, lambda fn=fn: fn(torch.empty(numel), [torch.ones(numel)] * n, 0, comm=comm)))
+            calls.append((name, lambda fn=fn: fn(torch.empty(numel, device=dev),
+                                                  [torch.ones(numel, device=dev)] * n, 0, comm=comm)))
         else:
-            calls.append((name, lambda fn=fn: fn(torch.ones(numel), [torch.empty(numel) for _ in range(n)], 0,
-                                                  comm=comm)))
+            calls.append((name, lambda fn=fn: fn(torch.ones(numel, device=dev),
+                                                  [torch.empty(numel, device=dev) for _ in range(n)], 0, comm=comm)))
     return calls
 
 
@@ -295,8 +303,8 @@ def mismatched_shapes(timeout_s: float = 5.0) -> None:
     different lengths, is left to raise, so the launch fails with its traceback.
     """
     ctx = init_distributed(timeout_s=timeout_s)
-    comm = Comm()
-    for name, call in _mismatched_calls(ctx.world_size, ctx.rank, comm):
+    comm = Comm(device=ctx.device)
+    for name, call in _mismatched_calls(ctx.world_size, ctx.rank, comm, ctx.device):
         try:
             call()
         except CollectiveError as exc:
@@ -304,7 +312,7 @@ def mismatched_shapes(timeout_s: float = 5.0) -> None:
         else:
             raise AssertionError(f"{name} did not notice the mismatch")
     numel = 100 + ctx.rank  # every rank a different length
-    all_reduce_ring(torch.ones(numel), comm=comm)
+    all_reduce_ring(torch.ones(numel, device=ctx.device), comm=comm)
     raise AssertionError("all_reduce_ring did not notice the mismatch")
 
 
@@ -324,7 +332,7 @@ def absent_rank(timeout_s: float = 5.0, tp: int = 1) -> None:
     affected = tp == 1 or ctx.grid.coords_of(absent).pp == ctx.pp_rank and ctx.grid.coords_of(absent).dp == ctx.dp_rank
     start = time.perf_counter()
     try:
-        all_reduce_ring(torch.ones(1000), comm=ctx.comm, group=group)
+        all_reduce_ring(torch.ones(1000, device=ctx.device), comm=ctx.comm, group=group)
     except CollectiveError as exc:
         assert TIMEOUT_HINT in str(exc)
         raise CollectiveError(f"{exc} [after {time.perf_counter() - start:.1f} s]") from exc

@@ -1,21 +1,83 @@
-"""The one helper every multi-process test uses to run gloo workers.
+"""Helpers every multi-process test uses: run workers on a backend, and a fake one-process world.
 
-It is ``lslm.launch`` itself (free port, timeout, the failing rank's traceback in
-the raised error), with quiet output and the repository root importable so that
-test-only workers in ``tests/workers.py`` can be targets.
+:func:`run_workers` is ``lslm.launch`` itself (free port, timeout, the failing rank's
+traceback in the raised error), with quiet output and the repository root importable
+so that test-only workers in ``tests/*_workers.py`` can be targets.
+
+Backends: every multi-process test that exercises communication takes a ``backend``
+parameter from :func:`backends`: gloo always, NCCL where at least ``nproc`` GPUs are
+visible (skipped otherwise, with the reason). On a CPU machine the gloo case runs
+exactly what ran before, so the suite's time does not grow.
+
+:func:`fake_world` joins torch's "fake" process group (every collective returns at
+once, nothing moves): enough to build a ParallelContext, its groups and its
+DeviceMesh for any rank of any world size in one process, in milliseconds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
 
 from lslm.runtime.launch import LaunchResults, launch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+DEVICE_OF = {"gloo": "cpu", "nccl": "cuda"}
 
 
-def run_workers(target: str, nproc: int, *, timeout: float = 120.0, nnodes: int = 1, **kwargs: Any) -> LaunchResults:
-    """Run ``target`` on ``nproc`` gloo processes and return each rank's result (raises LaunchError on failure)."""
+def visible_gpus() -> int:
+    """Number of CUDA devices this process sees (0 on a CPU build; does not initialise CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def backends(nproc: int) -> list[Any]:
+    """``backend`` parameters for a test on ``nproc`` processes: gloo, and NCCL when ``nproc`` GPUs are visible."""
+    gpus = visible_gpus()
+    skip = pytest.mark.skipif(gpus < nproc, reason=f"NCCL needs {nproc} GPUs (one per rank); {gpus} visible")
+    return ["gloo", pytest.param("nccl", marks=skip)]
+
+
+def nproc_backends(*nprocs: int) -> list[Any]:
+    """``(nproc, backend)`` parameters: every ``nproc`` on gloo, and on NCCL where ``nproc`` GPUs are visible."""
+    gpus = visible_gpus()
+    out = []
+    for n in nprocs:
+        out.append(pytest.param(n, "gloo", id=f"{n}-gloo"))
+        skip = pytest.mark.skipif(gpus < n, reason=f"NCCL needs {n} GPUs (one per rank); {gpus} visible")
+        out.append(pytest.param(n, "nccl", marks=skip, id=f"{n}-nccl"))
+    return out
+
+
+def run_workers(target: str, nproc: int, *, backend: str = "gloo", timeout: float = 120.0, nnodes: int = 1,
+                **kwargs: Any) -> LaunchResults:
+    """Run ``target`` on ``nproc`` processes of ``backend`` (gloo on CPU, NCCL on one GPU per rank).
+
+    Returns each rank's result; raises LaunchError on failure. The backend reaches the
+    workers through LSLM_BACKEND / LSLM_DEVICE, so ``init_distributed()`` picks it up.
+    """
+    if backend not in DEVICE_OF:
+        raise ValueError(f"backend must be one of {sorted(DEVICE_OF)}, got {backend!r}")
     return launch(target, nproc=nproc, nnodes=nnodes, timeout=timeout, output="none",
-                  env={"LSLM_BACKEND": "gloo", "LSLM_DEVICE": "cpu"}, pythonpath=[str(REPO_ROOT)], **kwargs)
+                  env={"LSLM_BACKEND": backend, "LSLM_DEVICE": DEVICE_OF[backend]}, pythonpath=[str(REPO_ROOT)],
+                  **kwargs)
+
+
+@contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """This process as ``rank`` of a fake ``world_size``-rank world (torch's "fake" backend); torn down after."""
+    # The fake backend lives in torch's internal testing package: this is the one place that imports it.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this test process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -1,68 +1,173 @@
-"""ParallelContext groups and the comm ledger, on real gloo processes."""
+"""ParallelContext groups and mesh; the ledger on real processes (its unit tests: tests/test_ledger.py).
+
+Most checks run in torch's fake process group (milliseconds, any rank of any world
+size in this process). Real processes run twice per backend: one 4-rank launch checks
+several grid shapes (every axis combination's members as the processes see them, mesh
+coordinates) and the exact ledger volumes, axes and times; one 2-rank launch checks
+the ledger at n = 2.
+"""
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import pytest
+import torch
+import torch.distributed as dist
 
-from lslm.runtime.grid import RankGrid
-from lslm.runtime.ledger import CommLedger, CommRecord
-from tests.helpers import run_workers
+from lslm.runtime import AXES, ParallelContext, RankGrid
+from lslm.runtime.context import group_plan
+from tests.helpers import backends, fake_world, run_workers
+
+COMBOS = [c for k in range(1, len(AXES) + 1) for c in itertools.combinations(AXES, k)]
+SHAPES_4 = [{"tp": 2, "pp": 2}, {"pp": 4}, {"tp": 4}, {"dp": 2, "cp": 2}, {"cp": 2, "tp": 2}]
+SHAPES_FAKE = [{}, {"tp": 2}, {"tp": 2, "pp": 2, "cp": 2}, {"dp": 2, "cp": 2, "tp": 2}, {"pp": 2, "cp": 4},
+               {"dp": 8}]
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 2), (1, 4), (4, 1)])
-def test_groups_on_four_processes_match_the_grid(tp: int, pp: int) -> None:
-    res = run_workers("tests.workers:group_members", 4, tp=tp, pp=pp)
-    grid = RankGrid.build(4, tp=tp, pp=pp)
-    for r in res:
-        rank = r["rank"]
-        assert (r["pp"], r["dp"], r["tp"]) == tuple(grid.coords_of(rank))
-        for kind in ("tp", "dp", "pp"):
-            assert r[f"{kind}_members"] == grid.group_of(rank, kind)
+def _ctx(grid: RankGrid, rank: int) -> ParallelContext:
+    return ParallelContext.create(grid, rank=rank, local_rank=rank, node_rank=0, device=torch.device("cpu"),
+                                  backend="fake", timeout_s=5)
+
+
+# -- groups and mesh in the fake process group ----------------------------------------------
+@pytest.mark.parametrize("shape", SHAPES_FAKE, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()) or "dp")
+def test_every_axis_combination_has_the_grid_members_and_mesh_coordinates(shape: dict[str, int]) -> None:
+    world = 8
+    grid = RankGrid.build(world, **shape)
+    for rank in range(world):
+        with fake_world(rank, world):
+            ctx = _ctx(grid, rank)
+            for combo in COMBOS:
+                pg = ctx.group(*combo)
+                assert dist.get_process_group_ranks(pg) == grid.group_of(rank, *combo) == ctx.group_ranks(*combo)
+                # Order and spelling do not matter; a combination spanning the world is WORLD itself.
+                assert ctx.group(*reversed(combo)) is pg and ctx.group(",".join(combo)) is pg
+                big = [a for a in combo if getattr(grid, a) > 1]
+                assert (pg is dist.group.WORLD) == (grid.groups(*combo) == [list(range(world))])
+                if pg is not dist.group.WORLD:
+                    assert ctx.comm.group_name(pg) == (",".join(big) or "self")
+            assert (ctx.pp_group, ctx.dp_group, ctx.cp_group, ctx.tp_group) == tuple(ctx.group(a) for a in AXES)
+            mesh = ctx.mesh
+            assert mesh is ctx.mesh and mesh.mesh_dim_names == AXES
+            assert tuple(mesh.get_coordinate()) == tuple(ctx.coords)
+            assert mesh.mesh.tolist() == grid.layout() and tuple(mesh.shape) == tuple(grid.sizes.values())
+            for axis in AXES:
+                assert dist.get_process_group_ranks(mesh.get_group(axis)) == grid.group_of(rank, axis)
+
+
+def test_groups_are_created_once_in_a_fixed_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[list[int]] = []
+    real = dist.new_group
+
+    def spy(ranks: list[int], **kwargs: Any) -> Any:
+        made.append(list(ranks))
+        return real(ranks, **kwargs)
+
+    monkeypatch.setattr(dist, "new_group", spy)
+    for shape, expected in (({"tp": 2, "pp": 2}, 4 + 2 + 2), ({"dp": 4}, 4), ({"tp": 4}, 4),
+                            ({"dp": 2, "cp": 2}, 4 + 2 + 2)):
+        grid = RankGrid.build(4, **shape)
+        orders = []
+        for rank in range(4):
+            made.clear()
+            with fake_world(rank, 4):
+                _ctx(grid, rank)
+            orders.append(list(made))
+        # singletons first, then each grouping of the size > 1 axes; never the world, never twice
+        assert all(o == orders[0] for o in orders) and len(orders[0]) == expected
+        assert len({tuple(r) for r in orders[0]}) == expected and list(range(4)) not in orders[0]
+    assert group_plan(RankGrid.build(16, tp=2, cp=2, dp=2, pp=2))[-1] == AXES
+    assert len(group_plan(RankGrid.build(16, tp=2, cp=2, dp=2, pp=2))) == 16  # 2^4 groupings, () included
+
+
+def test_a_one_rank_world_is_its_own_group_everywhere() -> None:
+    with fake_world(0, 1):
+        ctx = _ctx(RankGrid.build(1), 0)
+        assert all(ctx.group(*c) is dist.group.WORLD for c in COMBOS)
+        assert ctx.comm.group_name(ctx.tp_group) == "world" and tuple(ctx.mesh.get_coordinate()) == (0, 0, 0, 0)
+        assert ctx.describe()["cp_size"] == 1 and ctx.cp_rank == 0
+
+
+def test_init_distributed_takes_cp_and_validates_it_before_joining() -> None:
+    from lslm.runtime import init_distributed
+
+    with pytest.raises(ValueError, match=r"tp=1 x cp=2 x pp=1 = 2 does not divide world_size=1"):
+        init_distributed(cp=2)  # outside torchrun: a one-process world
+    with pytest.raises(ValueError, match="cp must be a positive integer, got True"):
+        init_distributed(cp=True)  # type: ignore[arg-type]
+    assert not dist.is_initialized()
+
+
+def test_group_rejects_unknown_axes() -> None:
+    with fake_world(0, 2):
+        ctx = _ctx(RankGrid.build(2, tp=2), 0)
+        for bad in (("ep",), ("tp", "tp"), ()):
+            with pytest.raises(ValueError):
+                ctx.group(*bad)
+
+
+# -- real processes: one 4-rank launch (several shapes), one 2-rank launch -------------------
+@pytest.fixture(scope="module", params=backends(4))
+def four_ranks(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    """One 4-rank launch per backend: ledger volumes on the default grid, groups and mesh for SHAPES_4."""
+    return run_workers("tests.context_workers:context_checks", 4, backend=request.param, numel=1000, shapes=SHAPES_4)
+
+
+@pytest.mark.parametrize("i", range(len(SHAPES_4)), ids=[str(s) for s in SHAPES_4])
+def test_groups_and_mesh_on_four_processes_match_the_grid(four_ranks: list[dict[str, Any]], i: int) -> None:
+    grid = RankGrid.build(4, **SHAPES_4[i])
+    for rank, res in enumerate(four_ranks):
+        r = res["shapes"][i]
+        assert r["rank"] == rank and [r[a] for a in AXES] == list(grid.coords_of(rank))
         assert r["pp_prev"] == grid.pp_prev_rank(rank) and r["pp_next"] == grid.pp_next_rank(rank)
+        for combo in COMBOS:
+            assert r["members"][",".join(combo)] == grid.group_of(rank, *combo), combo
+        for combo in COMBOS:
+            spans_world = len(grid.group_of(rank, *combo)) == 4
+            name = ",".join(a for a in combo if getattr(grid, a) > 1) or "self"
+            assert r["names"][",".join(combo)] == ("world" if spans_world else name), combo
+        assert r["mesh_coords"] == [r[a] for a in AXES] and r["mesh_dims"] == list(AXES)
+        assert r["mesh_shape"] == [getattr(grid, a) for a in AXES]
+        assert r["mesh_groups"] == {a: grid.group_of(rank, a) for a in AXES}
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_ledger_records_exact_bytes(nproc: int) -> None:
+@pytest.fixture(scope="module", params=backends(2))
+def two_ranks(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    """One 2-rank launch per backend: ledger volumes only."""
+    return run_workers("tests.context_workers:context_checks", 2, backend=request.param, numel=1000)
+
+
+def test_ledger_records_exact_bytes_axes_and_times_on_two_processes(two_ranks: list[dict[str, Any]]) -> None:
+    _check_ledger(two_ranks, 2)
+
+
+def test_ledger_records_exact_bytes_axes_and_times_on_four_processes(four_ranks: list[dict[str, Any]]) -> None:
+    _check_ledger(four_ranks, 4)
+
+
+def _check_ledger(res: list[dict[str, Any]], n: int) -> None:
     numel = 1000
-    res = run_workers("tests.workers:ledger_volumes", nproc, numel=numel)
-    n, b = nproc, numel * 4  # fp32
-    for r in res:
+    b = numel * 4  # fp32
+    for rank, r in enumerate(res):
         assert all(r["ok"].values()), r["ok"]
         s = r["summary"]
-        assert s["all_reduce"] == {"calls": 1, "bytes": b, "bus_bytes": pytest.approx(2 * (n - 1) / n * b)}
+        assert s["all_reduce"] == {"calls": 2, "bytes": 2 * b, "bus_bytes": pytest.approx(2 * 2 * (n - 1) / n * b)}
         assert s["broadcast"] == {"calls": 1, "bytes": b, "bus_bytes": b}
         assert s["all_gather"] == {"calls": 1, "bytes": n * b, "bus_bytes": pytest.approx((n - 1) * b)}
         assert s["reduce_scatter"] == {"calls": 1, "bytes": n * b, "bus_bytes": pytest.approx((n - 1) * b)}
         assert s["all_to_all"] == {"calls": 1, "bytes": n * b, "bus_bytes": pytest.approx((n - 1) * b)}
         assert s["send"]["bytes"] == b and s["recv"]["bytes"] == b
         # the final barrier of ctx.destroy() is not recorded (it happens after the summary)
-        rank = res.index(r)
-        sends = [rec for rec in r["records"] if rec["op"] == "send"]
-        recvs = [rec for rec in r["records"] if rec["op"] == "recv"]
+        recs = r["records"]
+        sends = [rec for rec in recs if rec["op"] == "send"]
+        recvs = [rec for rec in recs if rec["op"] == "recv"]
         assert sends[0]["peer"] == (rank + 1) % n and recvs[0]["peer"] == (rank - 1) % n
-        assert all(rec["group_size"] == n for rec in r["records"] if rec["op"] not in ("send", "recv"))
-
-
-def test_ledger_selects_by_op_tag_and_start() -> None:
-    ledger = CommLedger()
-    for op, nbytes, label in (("broadcast", 8, "bcast"), ("all_reduce", 100, "g"), ("all_reduce", 40, "other"),
-                            ("all_reduce", 60, "g")):
-        ledger.record(CommRecord(op, nbytes, group_size=2, label=label))
-    assert ledger.total_bytes() == 208 and ledger.calls() == 4
-    assert ledger.total_bytes("all_reduce", label="g") == 160 and ledger.calls("all_reduce", label="g") == 2
-    assert ledger.total_bytes(label="g", since=2) == 60 and ledger.calls(since=2) == 2
-    assert ledger.total_bus_bytes("all_reduce", label="g") == 160  # ring, n = 2: 2(n-1)/n = 1 byte per byte
-    assert [r.nbytes for r in ledger.select(label="bcast")] == [8]
-
-
-def test_synchronize_never_touches_cuda_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
-
-    from lslm.runtime import synchronize
-
-    def boom(*_: object) -> None:
-        raise AssertionError("torch.cuda.synchronize reached on the CPU path")
-
-    monkeypatch.setattr(torch.cuda, "synchronize", boom)
-    synchronize(torch.device("cpu"), torch.device("cpu"))
-    synchronize()
+        assert all(rec["group_size"] == n for rec in recs if rec["op"] not in ("send", "recv"))
+        # group=None is "world", and so is the default grid's dp group: it spans the world
+        assert [rec["axis"] for rec in recs] == ["world"] * 8
+        assert [rec["label"] for rec in recs][-3:] == ["ring", "ring", "async"]
+        assert all(rec["completion_s"] is not None and rec["issue_s"] <= rec["completion_s"] for rec in recs)
+        blocking = recs[:5]  # one call after the other: each ends before the next is issued
+        assert all(a["completion_s"] <= c["issue_s"] for a, c in zip(blocking, blocking[1:]))

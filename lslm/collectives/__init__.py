@@ -20,6 +20,10 @@ Every collective first checks that all ranks agree on size, dtype, root and op
 (``check=True``), so a mismatch raises :class:`CollectiveError` on every rank
 instead of corrupting data or aborting a process; a rank that never arrives makes
 the others raise it after the process group's timeout.
+
+They run unchanged on gloo and NCCL: every buffer and check message lives on the
+data's device, and a send and a receive that belong together are posted as one
+``batch_isend_irecv`` (:func:`~lslm.collectives.p2p.post_pairs`).
 """
 
 from lslm.collectives.all_reduce import all_reduce_reduce_broadcast, all_reduce_ring, all_reduce_tree

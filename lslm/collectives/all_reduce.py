@@ -44,7 +44,7 @@ def all_reduce_reduce_broadcast(tensor: torch.Tensor, op: str = "sum", comm: Com
     check_op(op)
     flat = as_flat(tensor)
     if check:
-        agree(comm, gv, "all_reduce_reduce_broadcast", flat.numel(), flat.dtype, op=op)
+        agree(comm, gv, "all_reduce_reduce_broadcast", flat.numel(), flat.dtype, op=op, device=flat.device)
     # The non-root partials may go straight into ``flat``: the broadcast overwrites them.
     reduce_tree_flat(comm, gv, flat, 0, op, "all_reduce_reduce_broadcast", overwrite=True)
     broadcast_tree_flat(comm, gv, flat, 0, "all_reduce_reduce_broadcast")
@@ -78,7 +78,7 @@ def all_reduce_tree(tensor: torch.Tensor, op: str = "sum", comm: Comm | None = N
     check_op(op)
     flat = as_flat(tensor)
     if check:
-        agree(comm, gv, "all_reduce_tree", flat.numel(), flat.dtype, op=op)
+        agree(comm, gv, "all_reduce_tree", flat.numel(), flat.dtype, op=op, device=flat.device)
     n, r, name = gv.size, gv.rank, "all_reduce_tree"
     p = 1 << (n.bit_length() - 1)
     rem = n - p
@@ -146,7 +146,7 @@ def all_reduce_ring(tensor: torch.Tensor, op: str = "sum", comm: Comm | None = N
         raise ValueError(f"pipeline_bytes must be a positive number of bytes or None, got {pipeline_bytes!r}")
     flat = as_flat(tensor)
     if check:
-        agree(comm, gv, "all_reduce_ring", flat.numel(), flat.dtype, op=op)
+        agree(comm, gv, "all_reduce_ring", flat.numel(), flat.dtype, op=op, device=flat.device)
     if gv.size > 1:
         bounds = chunk_bounds(flat.numel(), gv.size)
         piece = None if pipeline_bytes is None else max(1, pipeline_bytes // flat.element_size())

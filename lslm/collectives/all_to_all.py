@@ -37,7 +37,7 @@ def all_to_all_pairwise(output: torch.Tensor, input: torch.Tensor, comm: Comm | 
                          "while other blocks of the input are still to be sent)")
     m = input.numel() // n
     if check:
-        agree(comm, gv, "all_to_all_pairwise", input.numel(), input.dtype)
+        agree(comm, gv, "all_to_all_pairwise", input.numel(), input.dtype, device=input.device)
     src, out = as_flat(input), as_flat(output)
     out[r * m:(r + 1) * m].copy_(src[r * m:(r + 1) * m])
     for s in range(1, n):

@@ -49,7 +49,7 @@ def dissemination_max(comm: Comm, gv: GroupView, payload: torch.Tensor, name: st
     return acc
 
 
-def barrier(comm: Comm | None = None, group: Any = None) -> None:
+def barrier(comm: Comm | None = None, group: Any = None, device: torch.device | str | None = None) -> None:
     """Block until every rank of ``group`` has called ``barrier`` (dissemination, 1-byte messages).
 
     Order and deadlock freedom: in each round a rank posts its receive from r - 2^k and
@@ -58,10 +58,14 @@ def barrier(comm: Comm | None = None, group: Any = None) -> None:
     negligible); each rank sends and receives ceil(log2 n) bytes.
     A rank that never arrives makes the others fail after the group's timeout with a
     :class:`~lslm.collectives.p2p.CollectiveError` instead of waiting forever.
+
+    The byte lives on ``device`` (default: ``comm.default_device(group)``, i.e. the
+    context's device, or the GPU of a NCCL group): NCCL cannot send CPU tensors.
     """
     comm = resolve(comm)
     gv = group_view(group)
-    dissemination_max(comm, gv, torch.zeros(1, dtype=torch.uint8), "barrier", "barrier")
+    dev = torch.device(device) if device is not None else comm.default_device(group)
+    dissemination_max(comm, gv, torch.zeros(1, dtype=torch.uint8, device=dev), "barrier", "barrier")
 
 
 _DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.int64: 4, torch.float64: 5,
@@ -74,7 +78,7 @@ def _code(name: str) -> int:
 
 
 def agree(comm: Comm, gv: GroupView, name: str, numel: int, dtype: torch.dtype, root: int = -1,
-          op: str | None = None) -> None:
+          op: str | None = None, *, device: torch.device | str | None = None) -> None:
     """Check that every rank called collective ``name`` with the same numel, dtype, root and op.
 
     ``root`` is a group rank (-1 when the collective has none); ``numel`` is whatever
@@ -82,18 +86,20 @@ def agree(comm: Comm, gv: GroupView, name: str, numel: int, dtype: torch.dtype, 
     the min and max of each field, so *all* ranks raise the same
     :class:`~lslm.collectives.p2p.CollectiveError` when they differ - before any data
     moves, so nothing is corrupted and no process aborts. A rank that never calls
-    makes the others time out (also a CollectiveError).
+    makes the others time out (also a CollectiveError). The 80-byte message lives on
+    ``device``: pass the data's device (default: ``comm.default_device``).
     """
+    dev = torch.device(device) if device is not None else comm.default_device(gv.group)
     fields = torch.tensor([_code(name), numel, _DTYPE_CODES.get(dtype, _code(str(dtype))), root,
-                           OPS.index(op) if op is not None else -1], dtype=torch.int64)
-    both = dissemination_max(comm, gv, torch.cat([fields, -fields]), name, CHECK_LABEL)
-    hi, lo = both[: len(_FIELDS)], -both[len(_FIELDS):]
-    if torch.equal(hi, lo):
+                           OPS.index(op) if op is not None else -1], dtype=torch.int64, device=dev)
+    both = dissemination_max(comm, gv, torch.cat([fields, -fields]), name, CHECK_LABEL).tolist()  # one copy to host
+    hi, lo = both[: len(_FIELDS)], [-v for v in both[len(_FIELDS):]]
+    if hi == lo:
         return
     diffs = []
     for i, field in enumerate(_FIELDS):
         if hi[i] != lo[i]:
-            detail = "" if field in ("collective", "dtype") else f" (from {int(lo[i])} to {int(hi[i])})"
+            detail = "" if field in ("collective", "dtype") else f" (from {lo[i]} to {hi[i]})"
             diffs.append(f"{field} differs{detail}")
     raise CollectiveError(
         f"{name}: {gv.me()} found mismatched shapes across ranks: {', '.join(diffs)}; this rank had numel={numel}, "

@@ -46,7 +46,7 @@ def broadcast_flat(tensor: torch.Tensor, src: int, comm: Comm | None = None, gro
     root = gv.group_rank_of(src, "src")
     flat = as_flat(tensor)
     if check:
-        agree(comm, gv, "broadcast_flat", flat.numel(), flat.dtype, root)
+        agree(comm, gv, "broadcast_flat", flat.numel(), flat.dtype, root, device=flat.device)
     if gv.rank == root:
         send_all(comm, gv, [(flat, d) for d in range(gv.size) if d != root], "broadcast_flat")
     else:
@@ -91,7 +91,7 @@ def broadcast_tree(tensor: torch.Tensor, src: int, comm: Comm | None = None, gro
     root = gv.group_rank_of(src, "src")
     flat = as_flat(tensor)
     if check:
-        agree(comm, gv, "broadcast_tree", flat.numel(), flat.dtype, root)
+        agree(comm, gv, "broadcast_tree", flat.numel(), flat.dtype, root, device=flat.device)
     broadcast_tree_flat(comm, gv, flat, root, "broadcast_tree")
     write_back(tensor, flat)
     return tensor

@@ -14,8 +14,10 @@ Two fixes, both in :func:`ordered_ring`:
 * ``mode="even_odd"``: even ranks send then receive, odd ranks receive then send.
   Every sender's right neighbour is receiving first (or is a chain away from one),
   so the cycle is broken - this works for odd n too.
-* ``mode="isend"``: post the receive and the send without blocking, then wait for
-  both (what :func:`~lslm.collectives.p2p.exchange` does for every collective).
+* ``mode="isend"``: post the receive and the send without blocking, as one
+  ``batch_isend_irecv``, then wait for both (what :func:`~lslm.collectives.p2p.exchange`
+  does for every collective; on NCCL the batch is what keeps a 2-rank ring from
+  deadlocking, see :func:`~lslm.collectives.p2p.post_pairs`).
 
 Both workers are launchable (``lslm.launch("lslm.collectives.deadlock:blocking_ring",
 nproc=2, numel=1, timeout_s=3)``) and return a JSON-ready dict per rank instead of
@@ -35,27 +37,36 @@ from lslm.runtime.ledger import Comm
 from lslm.runtime.startup import init_distributed
 
 
-def blocking_ring_exchange(comm: Comm, numel: int, group: Any = None) -> torch.Tensor:
-    """Every rank: blocking send to the right, then blocking receive from the left. Deadlocks on gloo."""
+def blocking_ring_exchange(comm: Comm, numel: int, group: Any = None,
+                           device: torch.device | str | None = None) -> torch.Tensor:
+    """Every rank: blocking send to the right, then blocking receive from the left. Deadlocks on gloo.
+
+    The tensors live on ``device`` (default: ``comm.default_device(group)``).
+    """
     gv = group_view(group)
     r = gv.rank
-    out, inp = torch.full((numel,), float(gv.glob(r))), torch.empty(numel)
+    dev = torch.device(device) if device is not None else comm.default_device(group)
+    out, inp = torch.full((numel,), float(gv.glob(r)), device=dev), torch.empty(numel, device=dev)
     comm.send(out, gv.glob(r + 1), group=group, label="blocking_ring")
     comm.recv(inp, gv.glob(r - 1), group=group, label="blocking_ring")  # never reached: the send above waits forever
     return inp
 
 
-def ordered_ring_exchange(comm: Comm, numel: int, group: Any = None, mode: str = "even_odd") -> torch.Tensor:
+def ordered_ring_exchange(comm: Comm, numel: int, group: Any = None, mode: str = "even_odd",
+                          device: torch.device | str | None = None) -> torch.Tensor:
     """Pass a tensor (this rank's global rank, repeated) to the right without deadlock; return the left's tensor.
 
     ``mode="even_odd"``: even ranks send first, odd ranks receive first (blocking
-    calls). ``mode="isend"``: post receive and send together, then wait for both.
+    calls). ``mode="isend"``: post receive and send together (one
+    ``batch_isend_irecv``), then wait for both. Tensors live on ``device`` (default:
+    ``comm.default_device(group)``).
     """
     if mode not in ("even_odd", "isend"):
         raise ValueError(f"mode must be 'even_odd' or 'isend', got {mode!r}")
     gv = group_view(group)
     r = gv.rank
-    out, inp = torch.full((numel,), float(gv.glob(r))), torch.empty(numel)
+    dev = torch.device(device) if device is not None else comm.default_device(group)
+    out, inp = torch.full((numel,), float(gv.glob(r)), device=dev), torch.empty(numel, device=dev)
     right, left = gv.glob(r + 1), gv.glob(r - 1)
     if mode == "isend":
         exchange(comm, gv, out, r + 1, inp, r - 1, "ordered_ring")
@@ -77,7 +88,7 @@ def blocking_ring(numel: int = 1, timeout_s: float = 5.0) -> dict[str, Any]:
     ctx = init_distributed(timeout_s=timeout_s)
     start = time.perf_counter()
     try:
-        blocking_ring_exchange(ctx.comm, numel)
+        blocking_ring_exchange(ctx.comm, numel, device=ctx.device)
         completed, error = True, ""
     except RuntimeError as exc:
         completed, error = False, str(exc).splitlines()[0][:300]
@@ -95,7 +106,7 @@ def ordered_ring(numel: int = 1, timeout_s: float = 5.0, mode: str = "even_odd")
     """
     with init_distributed(timeout_s=timeout_s) as ctx:
         start = time.perf_counter()
-        got = ordered_ring_exchange(ctx.comm, numel, mode=mode)
+        got = ordered_ring_exchange(ctx.comm, numel, mode=mode, device=ctx.device)
         seconds = time.perf_counter() - start
         left = (ctx.rank - 1) % ctx.world_size
         return {"rank": ctx.rank, "world_size": ctx.world_size, "numel": numel, "mode": mode, "completed": True,

@@ -4,9 +4,10 @@ Everything in :mod:`lslm.collectives` talks through four helpers defined here:
 
 * :func:`group_view` - this rank's place in a process group and the *global* rank
   of every member (``Comm.send`` wants global ranks; algorithms think in group ranks).
-* :func:`exchange` - post a receive and a send together, then wait for both. Because
-  neither call blocks, two ranks that exchange with each other (or a whole ring that
-  shifts data one step) cannot deadlock, whatever the message size.
+* :func:`exchange` / :func:`post_pairs` - post a receive and a send together (one
+  ``batch_isend_irecv``), then wait for both. Because neither call blocks and they
+  form one NCCL group, two ranks that exchange with each other (or a whole ring that
+  shifts data one step) cannot deadlock, whatever the message size and backend.
 * :func:`chunk_sizes` / :func:`chunk_bounds` - the ``numpy.array_split`` rule: ``N``
   elements over ``n`` ranks, the first ``N % n`` chunks one element longer. Every
   rank computes the same boundaries, so no sizes ever travel on the wire.
@@ -87,7 +88,7 @@ def group_view(group: Any = None) -> GroupView:
 
 
 def resolve(comm: Comm | None) -> Comm:
-    """The caller's Comm, or a fresh one (its ledger then only sees this call)."""
+    """The caller's Comm, or a fresh one (its own ledger then records this call, and only this call)."""
     return comm if comm is not None else Comm()
 
 
@@ -172,19 +173,51 @@ def exchange(comm: Comm, gv: GroupView, send: torch.Tensor | None, dst: int, rec
              name: str, label: str | None = None) -> None:
     """Send ``send`` to group rank ``dst`` while receiving ``recv`` from group rank ``src``; wait for both.
 
-    The receive is posted first and neither call blocks, so any pattern in which every
-    send has a matching receive completes: a ring where every rank sends right and
-    receives left, or two ranks swapping. (With a blocking ``send`` first on every
-    rank, gloo deadlocks at any size: its sender waits until the receiver has posted
-    the matching receive.) ``None`` or a 0-element tensor skips that side: both ends
-    compute the same sizes, so they skip together.
+    The receive and the send are posted together, as one ``batch_isend_irecv`` (one
+    NCCL group), and neither blocks, so any pattern in which every send has a
+    matching receive completes: a ring where every rank sends right and receives
+    left, or two ranks swapping. (With a blocking ``send`` first on every rank, gloo
+    deadlocks at any size: its sender waits until the receiver has posted the
+    matching receive. NCCL deadlocks even with *non-blocking* calls posted one by one
+    when both go to the same peer, as in a 2-rank ring: see :func:`post_pairs`.)
+    ``None`` or a 0-element tensor skips that side: both ends compute the same sizes,
+    so they skip together; a one-sided exchange is a single isend or irecv.
     """
-    pending = []
+    pairs = []
     if recv is not None and recv.numel() > 0:
-        pending.append((post(comm, gv, "recv", recv, src, name, label), src, "recv"))
+        pairs.append(("recv", recv, src))
     if send is not None and send.numel() > 0:
-        pending.append((post(comm, gv, "send", send, dst, name, label), dst, "send"))
-    wait_all(pending, gv, name)
+        pairs.append(("send", send, dst))
+    wait_all(post_pairs(comm, gv, pairs, name, label), gv, name)
+
+
+def post_pairs(comm: Comm, gv: GroupView, items: Sequence[tuple[str, torch.Tensor, int]], name: str,
+               label: str | None = None) -> list[tuple[Any, int, str]]:
+    """Post ``(kind, tensor, peer_group_rank)`` sends/receives *together*; return the pending handles.
+
+    Several items go through one ``batch_isend_irecv`` (on NCCL one group, in which
+    every operation progresses at once; on gloo plain isend/irecv calls). This is how
+    every lslm send and receive that belong together must be posted: NCCL runs the
+    separately posted p2p kernels of one pair of ranks in order on one stream, so two
+    ranks that each post a receive and then a send to the other would each wait for
+    the other's send, queued behind its receive, once messages are too large for
+    NCCL's eager buffers. Every returned handle must be waited on (:func:`wait_all`).
+    """
+    if not items:
+        return []
+    if len(items) == 1:
+        kind, t, peer = items[0]
+        return [(post(comm, gv, kind, t, peer, name, label), peer, kind)]
+    ops = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, gv.glob(peer), group=gv.group)
+           for kind, t, peer in items]
+    try:
+        works = comm.batch_isend_irecv(ops, label=label or name)
+    except RuntimeError as exc:
+        raise _peer_error(gv, name, items[0][2], items[0][0], exc) from exc
+    if len(works) == len(items):
+        return [(w, peer, kind) for w, (kind, _, peer) in zip(works, items)]
+    # NCCL coalesces the batch into one work: blame the first peer if it fails.
+    return [(w, items[0][2], items[0][0]) for w in works]
 
 
 def send_all(comm: Comm, gv: GroupView, items: Sequence[tuple[torch.Tensor, int]], name: str) -> None:

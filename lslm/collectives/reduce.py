@@ -68,7 +68,7 @@ def reduce_tree(tensor: torch.Tensor, dst: int, op: str = "sum", comm: Comm | No
     check_op(op)
     flat = as_flat(tensor)
     if check:
-        agree(comm, gv, "reduce_tree", flat.numel(), flat.dtype, root, op)
+        agree(comm, gv, "reduce_tree", flat.numel(), flat.dtype, root, op, device=flat.device)
     reduce_tree_flat(comm, gv, flat, root, op, "reduce_tree", overwrite=False)
     if gv.rank == root:
         write_back(tensor, flat)

@@ -23,7 +23,7 @@ from lslm.collectives.p2p import (
     combine_,
     exchange,
     group_view,
-    post,
+    post_pairs,
     resolve,
     wait_all,
     write_back,
@@ -60,11 +60,10 @@ def ring_all_gather_flat(comm: Comm, gv: GroupView, flat: torch.Tensor, bounds: 
             exchange(comm, gv, _piece(flat, bounds, r - s), r + 1, _piece(flat, bounds, r - s - 1), r - 1, name)
         return
     for s in range(n - 1):
-        pending = [(post(comm, gv, "recv", flat[a:b], r - 1, name), r - 1, "recv")
-                   for a, b in _pieces(bounds, r - s - 1, piece)]
-        pending += [(post(comm, gv, "send", flat[a:b], r + 1, name), r + 1, "send")
-                    for a, b in _pieces(bounds, r - s, piece)]
-        wait_all(pending, gv, name)
+        # One batch per step: every piece's receive and send progress together (one NCCL group).
+        items = [("recv", flat[a:b], r - 1) for a, b in _pieces(bounds, r - s - 1, piece)]
+        items += [("send", flat[a:b], r + 1) for a, b in _pieces(bounds, r - s, piece)]
+        wait_all(post_pairs(comm, gv, items, name), gv, name)
 
 
 def ring_reduce_scatter_flat(comm: Comm, gv: GroupView, flat: torch.Tensor, bounds: list[tuple[int, int]], op: str,
@@ -77,13 +76,18 @@ def ring_reduce_scatter_flat(comm: Comm, gv: GroupView, flat: torch.Tensor, boun
     passed through every rank. Other chunks of ``flat`` are left holding partials.
 
     Pipelining: each chunk travels as pieces of at most ``piece`` elements (default:
-    the whole chunk). All sends of a step are posted at once; receives go into two
-    piece-sized buffers used in turn, so while piece j is being folded in, piece j+1
-    is already arriving - the reduction hides behind the transfer, and the buffers
-    stay small and warm in cache (a fresh chunk-sized buffer costs page faults on
-    every call). No deadlock: every rank posts all its sends before waiting on any
-    receive, and a rank re-posts receive j+2 after folding piece j, which only
-    needs its own progress; gloo matches the messages of a pair in posting order.
+    the whole chunk). Piece j's receive (from the left) and send (to the right) are
+    posted together, one ``batch_isend_irecv``, and piece j+1's pair is posted before
+    piece j is waited for and folded in: received pieces go into two piece-sized
+    buffers used in turn, so while piece j is being folded in, piece j+1 is already
+    arriving - the reduction hides behind the transfer, and the buffers stay small and
+    warm in cache (a fresh chunk-sized buffer costs page faults on every call).
+    No deadlock, on gloo or NCCL: every rank posts its pairs in the same piece order,
+    pair j of a rank sends exactly what its right neighbour's pair j receives (the
+    chunk one rank sends is the chunk its neighbour receives, cut the same way), and
+    a rank only waits for pair j after posting pair j+1, which needs nothing but its
+    own progress. In a 2-rank ring left and right are the same peer, which is why the
+    pairs must be batched (see :func:`~lslm.collectives.p2p.post_pairs`).
     """
     n, r = gv.size, gv.rank
     if n == 1 or flat.numel() == 0:
@@ -93,21 +97,28 @@ def ring_reduce_scatter_flat(comm: Comm, gv: GroupView, flat: torch.Tensor, boun
     # Two buffers only when some chunk has several pieces (one is enough otherwise).
     bufs = [torch.empty(piece, dtype=flat.dtype, device=flat.device) for _ in range(1 if piece == biggest else 2)]
     for s in range(n - 1):
-        incoming = _pieces(bounds, r - s - 2, piece)
+        incoming, outgoing = _pieces(bounds, r - s - 2, piece), _pieces(bounds, r - s - 1, piece)
+        steps = max(len(incoming), len(outgoing))
 
-        def post_recv(j: int, incoming: list[tuple[int, int]] = incoming) -> Any:
-            a, b = incoming[j]
-            return post(comm, gv, "recv", bufs[j % len(bufs)][: b - a], r - 1, name)
+        def post_pair(j: int, incoming: list[tuple[int, int]] = incoming,
+                      outgoing: list[tuple[int, int]] = outgoing) -> list[tuple[Any, int, str]]:
+            items = []
+            if j < len(incoming):
+                a, b = incoming[j]
+                items.append(("recv", bufs[j % len(bufs)][: b - a], r - 1))
+            if j < len(outgoing):
+                a, b = outgoing[j]
+                items.append(("send", flat[a:b], r + 1))
+            return post_pairs(comm, gv, items, name)
 
-        recvs = {j: post_recv(j) for j in range(min(2, len(incoming)))}
-        sends = [(post(comm, gv, "send", flat[a:b], r + 1, name), r + 1, "send")
-                 for a, b in _pieces(bounds, r - s - 1, piece)]
-        for j, (a, b) in enumerate(incoming):
-            wait_all([(recvs.pop(j), r - 1, "recv")], gv, name)
-            combine_(flat[a:b], bufs[j % len(bufs)][: b - a], op)
-            if j + 2 < len(incoming):
-                recvs[j + 2] = post_recv(j + 2)
-        wait_all(sends, gv, name)
+        pending = {0: post_pair(0)} if steps else {}
+        for j in range(steps):
+            if j + 1 < steps:
+                pending[j + 1] = post_pair(j + 1)
+            wait_all(pending.pop(j), gv, name)
+            if j < len(incoming):
+                a, b = incoming[j]
+                combine_(flat[a:b], bufs[j % len(bufs)][: b - a], op)
 
 
 def all_gather_ring(output: torch.Tensor, input: torch.Tensor, comm: Comm | None = None, group: Any = None, *,
@@ -131,7 +142,7 @@ def all_gather_ring(output: torch.Tensor, input: torch.Tensor, comm: Comm | None
                          f"({input.dtype}, {input.device}) must have the same dtype and device")
     m = input.numel()
     if check:
-        agree(comm, gv, "all_gather_ring", m, input.dtype)
+        agree(comm, gv, "all_gather_ring", m, input.dtype, device=input.device)
     flat = as_flat(output)
     bounds = [(i * m, (i + 1) * m) for i in range(n)]
     _piece(flat, bounds, gv.rank).copy_(input.reshape(-1))
@@ -169,7 +180,7 @@ def reduce_scatter_ring(output: torch.Tensor, input: torch.Tensor, op: str = "su
         raise ValueError(f"reduce_scatter_ring: output ({output.dtype}, {output.device}) and input "
                          f"({input.dtype}, {input.device}) must have the same dtype and device")
     if check:
-        agree(comm, gv, "reduce_scatter_ring", input.numel(), input.dtype, op=op)
+        agree(comm, gv, "reduce_scatter_ring", input.numel(), input.dtype, op=op, device=input.device)
     src, out = as_flat(input), as_flat(output)
     if n == 1:
         out.copy_(src)

@@ -48,7 +48,7 @@ def scatter(output: torch.Tensor, scatter_list: Sequence[torch.Tensor] | None, s
         _check_list(scatter_list, output, gv.size, "scatter_list", need_contiguous=False)
     flat = as_flat(output)
     if check:
-        agree(comm, gv, "scatter", flat.numel(), flat.dtype, root)
+        agree(comm, gv, "scatter", flat.numel(), flat.dtype, root, device=flat.device)
     if gv.rank == root:
         assert scatter_list is not None  # checked above
         flat.copy_(scatter_list[root].reshape(-1))
@@ -77,7 +77,7 @@ def gather(tensor: torch.Tensor, gather_list: Sequence[torch.Tensor] | None, dst
         _check_list(gather_list, tensor, gv.size, "gather_list", need_contiguous=True)
     flat = as_flat(tensor)
     if check:
-        agree(comm, gv, "gather", flat.numel(), flat.dtype, root)
+        agree(comm, gv, "gather", flat.numel(), flat.dtype, root, device=flat.device)
     if gv.rank != root:
         send_all(comm, gv, [(flat, root)], "gather")
         return None

@@ -3,6 +3,53 @@
 ``init_distributed()`` is the first line of every lslm worker. It returns a
 :class:`~lslm.runtime.context.ParallelContext`; nothing is stored in module globals
 beyond what ``torch.distributed`` itself keeps.
+
+Where gloo and NCCL differ (and what lslm relies on)
+-----------------------------------------------------
+* **Devices.** gloo communicates CPU tensors (it can also take CUDA tensors by
+  staging them through the host); NCCL only CUDA tensors, one GPU per rank. So every
+  tensor lslm allocates for communication (agreement checks, barrier bytes, flags,
+  receive buffers) is created on the data's device or on ``ctx.device``
+  (``Comm.default_device``); ``tests/test_backend_static.py`` checks the source.
+* **Point to point.** A send and a receive between the same two ranks must be
+  posted together with ``batch_isend_irecv`` (one NCCL group) and every returned
+  work waited on: NCCL runs separately posted p2p kernels of one pair of ranks in
+  order on one stream, so two ranks that each post a receive before their send wait
+  for each other forever once messages are too large for NCCL's eager buffers.
+  gloo matches them in any order. ``lslm.collectives.p2p.exchange`` does this.
+  NCCL also wants ``torch.cuda.set_device`` before the first p2p call and, for a
+  group without an eagerly created communicator, all of its ranks in its first call;
+  ``init_distributed`` sets the device and binds it (``device_id``) so NCCL creates
+  communicators eagerly, and every lslm collective starts with an agreement check
+  that all ranks of the group take part in.
+* **Asynchrony.** gloo collectives complete on the host; a NCCL call returns once
+  the kernel is queued on a CUDA stream. Host timers must synchronise
+  (:func:`synchronize`) or use CUDA events (the ledger does, see
+  :mod:`lslm.runtime.completion`).
+* **Timeouts and failures.** On gloo a collective or p2p wait that exceeds the
+  group's timeout *raises* a ``RuntimeError`` in the calling thread; lslm turns it
+  into a ``CollectiveError`` naming the peer, and the tests rely on that. On NCCL
+  the timeout is enforced by a watchdog thread: with the default
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` it aborts the communicators and *kills the
+  process* (no Python exception to catch; ``TORCH_NCCL_BLOCKING_WAIT=1`` would make
+  ``wait()`` raise instead, at a cost). lslm relies on that abort there: the
+  launcher sees a rank die and fails the whole job with a ``LaunchError``. So the
+  "clear error" tests for timeouts and deadlocks run on gloo only.
+
+Seeding: which random streams are identical where
+--------------------------------------------------
+:func:`seed_everything` seeds Python's ``random``, NumPy and torch (CPU and every
+CUDA device) with the *same* seed on every rank. So after ``init_distributed`` every
+random stream is identical on all ranks: models built from it have identical
+weights everywhere (what data parallelism needs, and what lets a parallel run start
+from exactly the serial run's weights), and dropout draws the same masks everywhere.
+What must differ across ranks is derived explicitly: the per-rank samplers
+(``lslm.data.sampler``) share one epoch permutation (same seed everywhere) and give
+each data-parallel rank its own positions of it. Tensor-parallel chapters must additionally give each tp rank its own
+stream for dropout inside sharded regions while keeping the stream shared for
+replicated regions (the "RNG tracker" of Megatron-LM, which comes with tensor
+parallelism); pipeline stages build only their own layers, so they must build
+full weights from the one seed and slice, not re-seed per stage.
 """
 
 from __future__ import annotations
@@ -12,6 +59,7 @@ import os
 import random
 import socket
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -63,34 +111,60 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def choose_device_and_backend(local_rank: int, local_world_size: int, backend: str | None = None,
-                              device: str | torch.device | None = None) -> tuple[torch.device, str]:
+                              device: str | torch.device | None = None, *,
+                              environ: Mapping[str, str] | None = None) -> tuple[torch.device, str]:
     """Pick ``(device, backend)`` for this rank.
 
-    Explicit arguments win, then ``LSLM_DEVICE``/``LSLM_BACKEND``. Otherwise CUDA + NCCL
+    Explicit arguments win, then ``LSLM_DEVICE``/``LSLM_BACKEND`` (from ``environ``, default
+    ``os.environ``; the launcher passes the workers' environment). Otherwise CUDA + NCCL
     when there is one GPU per local rank, else CPU + gloo. NCCL cannot put two ranks
     on one GPU, so a node with fewer GPUs than local ranks falls back to CPU + gloo
     with a warning instead of failing: every notebook runs on every machine.
+
+    An explicit request this machine cannot honour (a CUDA device or NCCL without
+    CUDA, a GPU index past the last GPU, NCCL on CPU tensors, NCCL with fewer GPUs
+    than local ranks) is a ``ValueError`` saying so, raised before any CUDA call.
     """
-    backend = backend or os.environ.get("LSLM_BACKEND") or None
-    device = device or os.environ.get("LSLM_DEVICE") or None
+    source_b = "backend argument" if backend else "LSLM_BACKEND"
+    source_d = "device argument" if device else "LSLM_DEVICE"
+    env = os.environ if environ is None else environ
+    backend = backend or env.get("LSLM_BACKEND") or None
+    device = device or env.get("LSLM_DEVICE") or None
     if backend is not None and backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r} ({source_b})")
     if device is not None:
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", local_rank)
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r} ({source_d})") from exc
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device={str(device)!r} ({source_d}) but no CUDA device is available; "
+                                 "use device='cpu' (with gloo), or unset LSLM_DEVICE to choose automatically")
+            if dev.index is None:
+                dev = torch.device("cuda", local_rank)
+            if dev.index >= torch.cuda.device_count():
+                raise ValueError(f"device {dev} ({source_d}) does not exist: this machine has "
+                                 f"{torch.cuda.device_count()} GPU(s), numbered from 0")
+        elif backend == "nccl":
+            raise ValueError(f"backend='nccl' ({source_b}) communicates CUDA tensors only, but device={str(device)!r} "
+                             f"({source_d}); use backend='gloo' on CPU")
         return dev, backend or ("nccl" if dev.type == "cuda" else "gloo")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError(f"backend='nccl' ({source_b}) needs CUDA GPUs, but no CUDA device is available; "
+                         "use backend='gloo'")
     if backend in (None, "nccl") and torch.cuda.is_available():
         n_gpus = torch.cuda.device_count()
         if n_gpus >= local_world_size:
             return torch.device("cuda", local_rank), backend or "nccl"
+        if backend == "nccl":
+            raise ValueError(f"backend='nccl' ({source_b}) needs one GPU per local rank: {local_world_size} local "
+                             f"ranks but {n_gpus} GPU(s); start fewer processes per node, or use backend='gloo'")
         if local_rank == 0:
             warnings.warn(
                 f"{local_world_size} local ranks but only {n_gpus} GPU(s): NCCL needs one GPU per rank, "
                 f"so this run uses CPU + gloo", stacklevel=2)
         return torch.device("cpu"), "gloo"
-    if backend == "nccl":
-        raise ValueError("backend='nccl' needs CUDA GPUs, and none is available; use backend='gloo'")
     return torch.device("cpu"), backend or "gloo"
 
 
@@ -106,7 +180,11 @@ def synchronize(*devices: torch.device) -> None:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy (if present) and torch (all devices) with ``seed``."""
+    """Seed Python, NumPy (if present) and torch (all devices) with ``seed``.
+
+    Called with the same seed on every rank, it makes every random stream identical
+    across ranks (see the module doc for what parallel chapters must add).
+    """
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device, without touching CUDA when absent
     try:
@@ -117,19 +195,21 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def init_distributed(tp: int = 1, pp: int = 1, dp: int | None = None, *, backend: str | None = None,
+def init_distributed(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, *, backend: str | None = None,
                      device: str | torch.device | None = None, timeout_s: float | None = None,
                      seed: int = 0) -> ParallelContext:
     """Join the process group torchrun set up and return this rank's :class:`ParallelContext`.
 
     * Reads RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT. Outside
       torchrun it starts a one-process world, so the same code runs in a notebook.
-    * Validates ``tp x pp x dp == WORLD_SIZE`` before touching the network.
+    * Validates ``pp x dp x cp x tp == WORLD_SIZE`` before touching the network
+      (``dp=None``: whatever is left).
     * Chooses device and backend (:func:`choose_device_and_backend`).
     * Sets a finite collective timeout (``timeout_s``, else ``LSLM_TIMEOUT_S``, else
       300 s), so a mismatched collective ends with an error instead of hanging.
-    * Seeds every rank with ``seed`` (identical weights everywhere unless a caller
-      offsets it on purpose).
+    * Seeds every rank with ``seed`` (identical random streams everywhere: see the
+      module doc).
+    * Creates every process group of every axis combination (:class:`ParallelContext`).
     """
     env = RankEnv.from_environ()
     if env is None:
@@ -139,15 +219,20 @@ def init_distributed(tp: int = 1, pp: int = 1, dp: int | None = None, *, backend
         init_method = f"tcp://127.0.0.1:{port}"
     else:
         init_method = "env://"
-    grid = RankGrid.build(env.world_size, tp=tp, pp=pp, dp=dp)
+    grid = RankGrid.build(env.world_size, tp=tp, pp=pp, dp=dp, cp=cp)
     dev, be = choose_device_and_backend(env.local_rank, env.local_world_size, backend, device)
     timeout = float(timeout_s if timeout_s is not None else os.environ.get("LSLM_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process; call ctx.destroy() first")
+    extra = {}
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    if be == "nccl":
+        # Binding the device makes NCCL create communicators eagerly (subgroups too), so
+        # a group's first p2p call need not involve all its ranks, and barriers know their GPU.
+        extra["device_id"] = dev
     dist.init_process_group(backend=be, init_method=init_method, rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(seconds=timeout))
+                            timeout=timedelta(seconds=timeout), **extra)
     seed_everything(seed)
     ctx = ParallelContext.create(grid, rank=env.rank, local_rank=env.local_rank, node_rank=env.node_rank,
                                  device=dev, backend=be, timeout_s=timeout)

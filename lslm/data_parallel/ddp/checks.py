@@ -42,14 +42,16 @@ def fingerprints(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], 
 
 
 def first_mismatch(named: Iterable[tuple[str, torch.Tensor]], comm: Comm, group: Any = None,
-                   device: torch.device | str = "cpu") -> tuple[str, list[int]] | None:
+                   device: torch.device | str | None = None) -> tuple[str, list[int]] | None:
     """All-gather the digests of ``named`` over ``group``; return ``(name, differing group ranks)`` or None.
 
     Collective: every rank of ``group`` must call it with the same tensors (names and
-    order). ``device`` is where the small digest tensor lives (CUDA for NCCL).
-    Every rank gets the same answer, so every rank can raise the same error.
+    order). ``device`` is where the small digest tensor lives (CUDA for NCCL; default
+    ``comm.default_device(group)``). Every rank gets the same answer, so every rank
+    can raise the same error.
     """
     names, digests = fingerprints(named)
+    device = device if device is not None else comm.default_device(group)
     n = dist.get_world_size(group)
     count = torch.tensor([len(digests)], dtype=torch.int64, device=device)
     counts = [torch.empty_like(count) for _ in range(n)]
@@ -60,7 +62,10 @@ def first_mismatch(named: Iterable[tuple[str, torch.Tensor]], comm: Comm, group:
     everyone = [torch.empty_like(mine) for _ in range(n)]
     if digests:
         comm.all_gather(everyone, mine, group=group, label=CHECK_LABEL)
-    table = torch.stack(everyone).cpu() if digests else torch.empty(n, 0, dtype=torch.int64)
+    if digests:
+        table = torch.stack(everyone).cpu()
+    else:
+        table = torch.empty(n, 0, dtype=torch.int64)  # lslm: cpu-ok (host-side table, never sent)
     for j, name in enumerate(names):
         col = table[:, j]
         if not bool((col == col[0]).all()):
@@ -74,7 +79,7 @@ def assert_same_across_ranks(module: torch.nn.Module, comm: Comm, group: Any = N
     named = list(module.named_parameters())
     if buffers:
         named += list(module.named_buffers())
-    device = named[0][1].device if named else "cpu"
+    device = named[0][1].device if named else None  # None: the comm's default device
     bad = first_mismatch(named, comm, group, device)
     if bad is not None:
         raise AssertionError(f"{what} differ across ranks: {bad[0]!r} differs on group ranks {bad[1]} from rank 0")

@@ -1,0 +1,204 @@
+"""The comm ledger v2: records with labels, axes, issue and completion times; thread safety; no CUDA on CPU.
+
+Pure, or in torch's fake process group (nothing moves, every call returns at once):
+the byte counts and times on real processes are checked in tests/test_context.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lslm.runtime import Comm, CommLedger, CommRecord, ParallelContext, RankGrid
+from tests.helpers import fake_world
+
+
+def _ctx(grid: RankGrid, rank: int) -> ParallelContext:
+    return ParallelContext.create(grid, rank=rank, local_rank=rank, node_rank=0, device=torch.device("cpu"),
+                                  backend="fake", timeout_s=5)
+
+
+# -- ledger v2: records, selection, threads ---------------------------------------------------
+def test_ledger_selects_by_op_tag_and_start() -> None:
+    ledger = CommLedger()
+    for op, nbytes, label in (("broadcast", 8, "bcast"), ("all_reduce", 100, "g"), ("all_reduce", 40, "other"),
+                            ("all_reduce", 60, "g")):
+        ledger.record(CommRecord(op, nbytes, group_size=2, label=label))
+    assert ledger.total_bytes() == 208 and ledger.calls() == 4
+    assert ledger.total_bytes("all_reduce", label="g") == 160 and ledger.calls("all_reduce", label="g") == 2
+    assert ledger.total_bytes(label="g", since=2) == 60 and ledger.calls(since=2) == 2
+    assert ledger.total_bus_bytes("all_reduce", label="g") == 160  # ring, n = 2: 2(n-1)/n = 1 byte per byte
+    assert [r.nbytes for r in ledger.select(label="bcast")] == [8]
+
+
+def test_ledger_selects_and_summarises_by_axis() -> None:
+    ledger = CommLedger()
+    for op, nbytes, axis in (("all_reduce", 100, "dp"), ("all_reduce", 40, "dp,cp"), ("all_gather", 60, "tp"),
+                             ("all_reduce", 10, "dp")):
+        ledger.record(CommRecord(op, nbytes, group_size=4, axis=axis))
+    assert ledger.total_bytes(axis="dp") == 110 and ledger.calls("all_reduce", axis="dp,cp") == 1
+    assert ledger.total_bytes("all_reduce", since=1, axis="dp") == 10
+    assert ledger.summary(by="axis") == {"dp": {"calls": 2, "bytes": 110, "bus_bytes": 165.0},
+                                         "dp,cp": {"calls": 1, "bytes": 40, "bus_bytes": 60.0},
+                                         "tp": {"calls": 1, "bytes": 60, "bus_bytes": 45.0}}
+    with pytest.raises(ValueError, match="by must be one of"):
+        ledger.summary(by="peer")
+
+
+def test_completion_is_set_once_and_after_issue() -> None:
+    rec = CommRecord("all_reduce", 4, group_size=2)
+    assert rec.completion_s is None and rec.duration_s is None
+    rec.complete()
+    first = rec.completion_s
+    assert first is not None and rec.issue_s <= first and rec.duration_s == first - rec.issue_s
+    rec.complete(first + 10)  # a later stamp (e.g. wait() after the future's callback) does not move it
+    assert rec.completion_s == first
+    d = rec.as_dict()
+    assert d["completion_s"] == first and d["axis"] == "" and d["bus_bytes"] == 4.0
+
+
+def test_records_and_completions_from_many_threads() -> None:
+    ledger = CommLedger()
+    recs = [CommRecord("send", 1, group_size=2, label=str(i)) for i in range(400)]
+    stop = threading.Event()
+    seen: list[int] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            ledger.summary()  # takes the lock while writers append
+            seen.append(len(ledger.to_list()))
+
+    def writer(chunk: list[CommRecord]) -> None:
+        for r in chunk:
+            ledger.record(r)
+            r.complete()
+            r.complete(0.0)
+
+    t_read = threading.Thread(target=reader)
+    t_read.start()
+    writers = [threading.Thread(target=writer, args=(recs[i::4],)) for i in range(4)]
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join()
+    stop.set()
+    t_read.join()
+    assert ledger.calls() == 400 and sorted(int(r.label) for r in ledger.records) == list(range(400))
+    assert all(r.completion_s is not None and r.completion_s >= r.issue_s for r in recs)
+    assert seen == sorted(seen)  # the list only grows, and every read saw a consistent snapshot
+
+
+class _StubWork:
+    """A work handle as gloo returns them: with a future (collectives) or without (send/recv)."""
+
+    def __init__(self, future: Any = None) -> None:
+        self.future, self.done, self.source = future, False, 7
+
+    def get_future(self) -> Any:
+        if self.future is None:
+            raise RuntimeError("Work::getFuture not implemented.")
+        return self.future
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def source_rank(self) -> int:
+        return self.source
+
+
+def test_timed_work_stamps_completion_from_the_future_or_the_wait() -> None:
+    from lslm.runtime.completion import TimedWork
+
+    # gloo's send/recv: no future; the completion is the return of wait() (or a true is_completed()).
+    rec = CommRecord("send", 4, group_size=2)
+    work = TimedWork(_StubWork(), [rec.done], torch.device("cpu"))
+    assert not work.is_completed() and rec.completion_s is None
+    assert work.wait() is True and rec.completion_s is not None and work.source_rank() == 7
+    # A collective: the future's callback stamps it the moment the result is set; wait() changes nothing.
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    rec2 = CommRecord("all_reduce", 4, group_size=2)
+    work2 = TimedWork(_StubWork(fut), [rec2.done], torch.device("cpu"))
+    assert rec2.completion_s is None and work2.get_future() is fut
+    fut.set_result(None)
+    stamped = rec2.completion_s
+    assert stamped is not None and rec2.issue_s <= stamped
+    work2.wait()
+    assert rec2.completion_s == stamped
+
+
+def test_a_paused_ledger_counts_what_it_skipped() -> None:
+    ledger = CommLedger()
+    with ledger.paused():
+        ledger.record(CommRecord("barrier", 0, group_size=2))
+    ledger.enabled = False
+    ledger.record(CommRecord("barrier", 0, group_size=2))
+    ledger.enabled = True
+    ledger.record(CommRecord("barrier", 0, group_size=2))
+    assert ledger.calls() == 1 and ledger.dropped == 2
+    ledger.reset()
+    assert ledger.calls() == 0 and ledger.dropped == 0
+
+
+def test_comm_records_axis_label_and_times_in_a_fake_world() -> None:
+    with fake_world(1, 4):
+        bare = Comm()
+        assert isinstance(bare.ledger, CommLedger) and bare.device is None
+        given = CommLedger()
+        assert Comm(ledger=given).ledger is given  # an empty ledger is used, not replaced
+        ctx = _ctx(RankGrid.build(4, tp=2, cp=2), 1)
+        x = torch.ones(4)
+        bare.all_reduce(x, label="bare")
+        bare.all_reduce(x, group=ctx.tp_group)  # a group this Comm was never told about
+        ctx.comm.all_reduce(x, group=ctx.group("cp", "tp"), label="world-by-axes")  # spans the world
+        ctx.comm.all_reduce(x, group=ctx.tp_group, label="tp")
+        ctx.comm.all_reduce(x, group=ctx.dp_group)  # dp = 1: the single-rank group
+        work = ctx.comm.all_reduce(x, group=ctx.cp_group, async_op=True, label="async")
+        work.wait()
+        assert work.get_future() is not None
+        ctx.comm.batch_isend_irecv([dist.P2POp(dist.isend, x, 0), dist.P2POp(dist.irecv, torch.empty(4), 0)])
+        ctx.comm.barrier()
+        assert [(r.axis, r.label) for r in bare.ledger.records] == [("world", "bare"), ("", "")]
+        assert [r.axis for r in ctx.comm.ledger.records] == ["world", "tp", "self", "cp", "world", "world",
+                                                             "world"]
+        assert [r.op for r in ctx.comm.ledger.records][-3:] == ["send", "recv", "barrier"]
+        recs = bare.ledger.records + ctx.comm.ledger.records[:-3] + ctx.comm.ledger.records[-1:]
+        assert all(r.completion_s is not None and r.issue_s <= r.completion_s for r in recs)
+        blocking = ctx.comm.ledger.records[:3]
+        assert all(a.completion_s <= b.issue_s for a, b in zip(blocking, blocking[1:]))
+        assert ctx.comm.device == torch.device("cpu") and ctx.comm.default_device() == torch.device("cpu")
+
+
+def test_the_cpu_path_never_touches_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*_: object, **__: object) -> None:
+        raise AssertionError("torch.cuda reached on the CPU path")
+
+    for name in ("Event", "synchronize", "current_stream", "current_device", "set_device"):
+        monkeypatch.setattr(torch.cuda, name, boom)
+    with fake_world(0, 2):
+        ctx = _ctx(RankGrid.build(2, tp=2), 0)
+        x = torch.ones(3)
+        ctx.comm.all_reduce(x)
+        ctx.comm.all_reduce(x, async_op=True).wait()
+        ctx.comm.isend(x, 1).wait()
+        ctx.comm.barrier()
+        assert ctx.comm.default_device(ctx.tp_group) == torch.device("cpu")
+        assert len(ctx.comm.ledger.to_list()) == 4 and ctx.mesh.device_type == "cpu"
+
+
+def test_synchronize_never_touches_cuda_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lslm.runtime import synchronize
+
+    def boom(*_: object) -> None:
+        raise AssertionError("torch.cuda.synchronize reached on the CPU path")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", boom)
+    synchronize(torch.device("cpu"), torch.device("cpu"))
+    synchronize()
