@@ -6,7 +6,9 @@ import argparse
 import json
 import os
 import platform
+import signal
 import sys
+import threading
 import time
 from importlib import metadata
 from typing import Any
@@ -81,80 +83,84 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def _launch_command(ns: argparse.Namespace, parser: argparse.ArgumentParser, extra: list[str]) -> int:
+    """``lslm launch``: run the job, print the results as JSON. Exit status 1 if the job failed.
+
+    SIGTERM and SIGHUP (what ``timeout``, SLURM and a closed terminal send) stop the
+    job like Ctrl-C does: every rank is stopped, then the exit status is 128 + signal.
+    """
+    from lslm.runtime.launch import LaunchError, launch
+
+    kwargs = {}
+    for item in [*ns.args, *extra]:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"worker argument {item!r} is not key=value")
+        kwargs[key] = _parse_value(value)
+    env = {k: v for k, v in (("LSLM_DEVICE", ns.device), ("LSLM_BACKEND", ns.backend)) if v}
+    received: list[int] = []
+
+    def stop(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt  # launch() stops every rank on its way out
+
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    stop_on = [s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]  # no SIGHUP on Windows
+    previous = {s: signal.signal(s, stop) for s in stop_on} if in_main_thread else {}
+    try:
+        results = launch(ns.target, nproc=ns.nproc, nnodes=ns.nnodes, timeout=ns.timeout, output=ns.output,
+                         env=env, **kwargs)
+    except ValueError as exc:
+        parser.error(str(exc))
+    except LaunchError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        signum = received[0] if received else signal.SIGINT
+        print(f"lslm launch: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    print(json.dumps(list(results), indent=1, default=str))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lslm`` console script."""
+    from lslm.bench import cli as bench_cli  # light: the benches themselves are imported when run
+
     parser = argparse.ArgumentParser(prog="lslm", description="lslm: large-scale LM training, from scratch")
     sub = parser.add_subparsers(dest="command", required=True)
     p_doc = sub.add_parser("doctor", help="check versions, devices, backends and run a 2-process smoke job")
     p_doc.add_argument("--nproc", type=int, default=2)
     p_doc.add_argument("--json", action="store_true", help="print the machine report as JSON and exit")
-    p_bench = sub.add_parser("bench", help="run a side-by-side benchmark (prints a table, writes JSON/PNG)")
-    p_bench.add_argument("name", choices=("launch", "collectives", "ddp"))
-    p_bench.add_argument("--sizes-kib", type=int, nargs="+", default=None,
-                         help="collectives: message sizes in KiB (default 4 KiB ... 64 MiB)")
-    p_bench.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
-    p_bench.add_argument("--repeats", type=int, default=5)
-    p_bench.add_argument("--out", default=None, help="folder for JSON/PNG (default: bench/results)")
-    p_bench.add_argument("--quick", action="store_true",
-                         help="ddp: tiny model and few steps (checks structure and bytes; timings meaningless)")
-    p_bench.add_argument("--bucket-mb", type=float, default=None,
-                         help="ddp: the bucket size every variant uses (MiB; default 4)")
-    p_bench.add_argument("--sweep-mb", type=float, nargs="+", default=None,
-                         help="ddp: bucket sizes of the sweep (MiB; default 0.25 1 4 16)")
-    p_bench.add_argument("--steps", type=int, default=None, help="ddp: timed steps per variant (default 15)")
+    p_bench = sub.add_parser("bench", help="run a side-by-side benchmark (prints a table, writes TXT/JSON/PNG)")
+    bench_cli.add_arguments(p_bench)
     p_launch = sub.add_parser("launch", help="run 'package.module:function' on N processes via torchrun")
     p_launch.add_argument("target")
     p_launch.add_argument("--nproc", type=int, default=2)
     p_launch.add_argument("--nnodes", type=int, default=1)
-    p_launch.add_argument("--timeout", type=float, default=600.0)
+    p_launch.add_argument("--timeout", type=float, default=600.0, help="seconds (default 600; inf: no limit)")
     p_launch.add_argument("--output", choices=("all", "rank0", "none"), default="all")
+    p_launch.add_argument("--device", default=None, help="cpu, cuda or cuda:N (sets LSLM_DEVICE; default: automatic)")
+    p_launch.add_argument("--backend", choices=("gloo", "nccl", "mpi"), default=None,
+                          help="sets LSLM_BACKEND (default: nccl on GPUs, else gloo)")
     p_launch.add_argument("args", nargs="*", help="worker arguments as key=value (values parsed as JSON)")
-    ns = parser.parse_args(argv)
+    # parse_known_args: `lslm launch T --nproc 4 numel=8` puts key=value after an option,
+    # which argparse leaves over instead of adding to the `args` positional.
+    ns, extra = parser.parse_known_args(argv)
+    if extra and ns.command != "launch":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if ns.command == "doctor":
         if ns.json:
             print(json.dumps(doctor_report(), indent=2))
             return 0
         return 0 if doctor(ns.nproc) else 1
     if ns.command == "bench":
-        out_dir = ns.out or "bench/results"
-        if ns.name == "launch":
-            from lslm.bench import launch_overhead
-
-            launch_overhead.main(f"{out_dir}/launch_overhead.json", tuple(ns.nprocs), ns.repeats)
-        elif ns.name == "collectives":
-            from lslm.bench import collectives
-
-            sizes = tuple(k * 1024 for k in ns.sizes_kib) if ns.sizes_kib else collectives.DEFAULT_SIZES
-            collectives.run(tuple(ns.nprocs), sizes, ns.repeats, out_dir=out_dir)
-        elif ns.name == "ddp":
-            from lslm.bench import ddp
-
-            try:
-                ddp.run(tuple(ns.nprocs), quick=ns.quick, steps=ns.steps,
-                        bucket_cap_mb=ns.bucket_mb if ns.bucket_mb is not None else ddp.DEFAULT_BUCKET_MB,
-                        sweep_mb=tuple(ns.sweep_mb) if ns.sweep_mb else None, out_dir=out_dir)
-            except ValueError as exc:
-                parser.error(str(exc))
-        return 0
+        return bench_cli.run(ns, parser)
     if ns.command == "launch":
-        from lslm.runtime.launch import LaunchError, launch
-
-        kwargs = {}
-        for item in ns.args:
-            key, sep, value = item.partition("=")
-            if not sep:
-                parser.error(f"worker argument {item!r} is not key=value")
-            kwargs[key] = _parse_value(value)
-        try:
-            results = launch(ns.target, nproc=ns.nproc, nnodes=ns.nnodes, timeout=ns.timeout, output=ns.output,
-                             **kwargs)
-        except ValueError as exc:
-            parser.error(str(exc))
-        except LaunchError as exc:
-            print(exc, file=sys.stderr)
-            return 1
-        print(json.dumps(list(results), indent=1, default=str))
-        return 0
+        return _launch_command(ns, parser, extra)
     return 2  # pragma: no cover - argparse enforces a command
 
 

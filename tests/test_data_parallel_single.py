@@ -131,7 +131,7 @@ def test_float_input_gradient_flows_back_through_scatter() -> None:
     torch.testing.assert_close(x.grad, ref_x, **TOL)
     torch.testing.assert_close(lin.weight.grad, ref_w, **TOL)
     # Rows 3..4 went to replica 1 and their input gradient came back: 2 rows x 6 x 4 bytes each way.
-    assert ledger.total("scatter") == ledger.total("grad_gather") == 2 * 6 * 4
+    assert ledger.total("scatter", "forward") == ledger.total("gather", "backward") == 2 * 6 * 4
 
 
 def test_no_grad_inference_matches() -> None:
@@ -162,11 +162,11 @@ def test_replicate_shares_replica0_and_reduces_grads() -> None:
     assert r0.weight.data_ptr() == lin.weight.data_ptr()  # replica 0: the original storage, no copy
     assert r1.weight.data_ptr() != lin.weight.data_ptr()  # replica 1: a real copy
     assert not r1.weight.is_leaf and r1.weight.requires_grad
-    assert ledger.total("broadcast") == (4 * 2 + 2) * 4
+    assert ledger.total("broadcast", "forward") == (4 * 2 + 2) * 4
     x = torch.randn(3, 4)
     (r0(x).sum() + 2 * r1(x).sum()).backward()
     torch.testing.assert_close(lin.weight.grad, 3 * x.sum(0).expand(2, 4))
-    assert ledger.total("reduce_add") == (4 * 2 + 2) * 4
+    assert ledger.total("reduce", "backward") == (4 * 2 + 2) * 4
 
 
 def test_parallel_apply_order_and_grad_mode() -> None:
@@ -195,13 +195,13 @@ def test_byte_counts_exact(n: int, batch: int, parallel_loss: bool) -> None:
                                  target_row_bytes=T * 8, output_row_bytes=T * V * 4, parallel_loss=parallel_loss)
     assert res["bytes"] == expected
     # The hand formulas, written out once more without the helper:
-    assert res["bytes"][("forward", "broadcast")] == res["bytes"][("backward", "reduce_add")] == (n - 1) * param_bytes
+    assert res["bytes"][("forward", "broadcast")] == res["bytes"][("backward", "reduce")] == (n - 1) * param_bytes
     if parallel_loss:
         assert res["gathered_bytes"] == n * 4
         assert res["bytes"][("forward", "scatter")] == (batch - b0) * T * 16  # ids and targets, int64
     else:
         assert res["gathered_bytes"] == batch * T * V * 4  # B x T x V fp32 logits on the output device
-        assert res["bytes"][("backward", "grad_scatter")] == (batch - b0) * T * V * 4
+        assert res["bytes"][("backward", "scatter")] == (batch - b0) * T * V * 4
     assert res["peak_bytes"] == {}  # CPU: no CUDA statistics, and torch.cuda is never called
 
 
@@ -218,6 +218,33 @@ def test_ledger_places() -> None:
     assert sent[1] == logit_half + p  # its logits, its parameter gradients
     assert received[0] == logit_half + p  # replica 1's logits, its gradients
     assert "broadcast" in dp.ledger.table()
+
+
+def test_transfer_ledger_speaks_the_comm_ledger_vocabulary() -> None:
+    """One vocabulary: TransferLedger is a CommLedger, a Transfer a CommRecord with ops torch.distributed names."""
+    from lslm.runtime.ledger import CommLedger, CommRecord, bus_factor
+
+    model = _model()
+    idx, y = _batch(5)
+    dp = DataParallel(model, ["cpu"] * 2, parallel_criterion=gpt_token_loss)
+    dp(idx, target=y).backward()
+    led = dp.ledger
+    assert isinstance(led, CommLedger) and all(isinstance(r, CommRecord) for r in led.records)
+    assert {r.op for r in led.records} == {"scatter", "broadcast", "gather", "reduce"}
+    assert {r.label for r in led.records} == {"forward", "backward"}
+    for op in ("scatter", "broadcast", "gather", "reduce"):
+        bus_factor(op, 2)  # every op is one the multi-process ledger knows
+    p = 4 * model.num_parameters()
+    # The CommLedger queries give the same numbers as the place-aware ones.
+    assert led.total_bytes("broadcast", "forward") == led.total("broadcast", "forward") == p
+    assert led.total_bytes("reduce", "backward") == p and led.calls("reduce") == len(list(model.parameters()))
+    assert led.total_bus_bytes() == led.total_bytes()  # one copy moves its bytes once
+    assert led.summary()["gather"]["bytes"] == 2 * 4  # the two replicas' losses, fp32
+    rec = led.select("scatter", "forward")[0]
+    assert (rec.src, rec.dst, rec.phase, rec.dtype) == (0, 1, "forward", "int64")
+    assert rec.completion_s is not None and rec.completion_s >= rec.issue_s  # CPU copies finish when they return
+    led.clear()
+    assert led.records == []
 
 
 def test_replicate_cost_and_busiest_device() -> None:

@@ -62,10 +62,10 @@ def ring_all_gather(output, input, rank, world_size):
     output[rank * m:(rank + 1) * m] = input
     for s in range(n - 1):
         send_block, recv_block = (rank - s) % n, (rank - s - 1) % n
-        reqs = [dist.isend(output[send_block * m:(send_block + 1) * m], (rank + 1) % n),
-                dist.irecv(output[recv_block * m:(recv_block + 1) * m], (rank - 1) % n)]
-        for req in reqs:
-            req.wait()
+        ops = [dist.P2POp(dist.isend, output[send_block * m:(send_block + 1) * m], (rank + 1) % n),
+               dist.P2POp(dist.irecv, output[recv_block * m:(recv_block + 1) * m], (rank - 1) % n)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
 
 def ring_all_gather_wrong_block(output, input, rank, world_size):

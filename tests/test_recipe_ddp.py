@@ -148,9 +148,12 @@ def test_hf_gpt2_two_processes_match_one(tmp_path) -> None:
 def test_bench_quick_structure_and_exact_bytes(tmp_path, capsys) -> None:
     from lslm.cli import main
 
-    assert main(["bench", "ddp", "--quick", "--nprocs", "2", "--out", str(tmp_path)]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
+    assert main(["bench", "ddp", "--quick", "--nprocs", "2", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    lines = printed.strip().splitlines()
     assert lines[-1].startswith("bucketed / torch DDP step time") and "2 processes" in lines[-1]
+    assert (tmp_path / "ddp.txt").read_text() == printed  # the .txt is exactly what the bench printed
+    assert "== 2 processes (gloo, 1 thread(s)/rank)" in printed
     data = json.loads((tmp_path / "ddp.json").read_text())
     res = data["2"]
     assert (tmp_path / "ddp.png").stat().st_size > 0

@@ -1,1 +1,2 @@
-"""Side-by-side benchmarks: each prints a table and writes JSON (+ PNG where there is a plot)."""
+"""Side-by-side benchmarks on one runner (:mod:`lslm.harness.bench_runner`): each prints a table and writes
+``.txt`` (exactly what it printed), ``.json`` and ``.png`` together (:class:`lslm.harness.Report`)."""

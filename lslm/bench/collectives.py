@@ -1,9 +1,10 @@
 """``lslm bench collectives``: every lslm collective next to torch.distributed's, same run.
 
-For each world size a job is launched; in it, for every message size and every
-algorithm, each rank runs ``warmup`` untimed calls, then ``repeats`` timed calls,
-each preceded by a barrier. A call's time is the *slowest* rank's (an all-reduce
-MAX of the per-rank times); we report the median over repeats. Bandwidths use the
+For each world size a job is launched; in it, for every kind of collective and every
+message size, torch's call and every lslm algorithm are handed to the bench runner
+(:func:`lslm.harness.run_variants`): ``warmup`` untimed rounds, then ``repeats`` rounds
+in which the algorithms take turns (interleaved), each call preceded by a barrier.
+A call's time is the *slowest* rank's; we report the median over repeats. Bandwidths use the
 nccl-tests definitions: ``algbw = S / t`` and ``busbw = algbw x factor``, with the
 factor of :func:`lslm.runtime.ledger.bus_factor` (2(n-1)/n for all-reduce, (n-1)/n
 for all-gather/reduce-scatter/all-to-all/scatter/gather, 1 for broadcast/reduce),
@@ -17,14 +18,14 @@ Then the alpha-beta-gamma model ``t = a*alpha + b*S*beta + c*S*gamma`` is fitted
 to the lslm measurements by least squares on relative error, where (a, b, c) per
 algorithm come from its critical path (:func:`cost_coefficients`): alpha is the
 per-message latency, beta the seconds per byte on the wire, gamma the seconds
-per byte reduced.
+per byte reduced. The device is a parameter (``"cpu"``: gloo, ``"cuda"``: NCCL); the
+table, ``collectives.json`` and ``collectives.png`` are written together
+(:class:`lslm.harness.Report`).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lslm.bench.results import write_results
+from lslm.bench.devices import device_env
+from lslm.harness import Report, Variant, run_variants
 
 KIB, MIB = 1024, 1024 * 1024
 DEFAULT_SIZES = (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB)
@@ -74,13 +76,26 @@ def cost_coefficients(name: str, n: int) -> tuple[float, float, float]:
     return table[name]
 
 
-def _case(kind: str, name: str, size: int, n: int, rank: int, comm: Any) -> Callable[[], None]:
-    """Allocate buffers for one (kind, algorithm, size) and return a zero-argument call."""
+def _numel(size: int, n: int) -> int:
+    numel = max(n, size // 4)
+    return numel - numel % n  # per-rank chunks of equal size, as torch's tensor collectives require
+
+
+def _case(kind: str, name: str, size: int, n: int, rank: int, comm: Any,
+          device: torch.device | str = "cpu") -> Callable[[], None]:
+    """Allocate buffers for one (kind, algorithm, size) on ``device`` and return a zero-argument call."""
     import lslm.collectives as C
 
-    numel = max(n, size // 4)
-    numel -= numel % n  # per-rank chunks of equal size, as torch's tensor collectives require
-    x = torch.randn(numel)
+    numel = _numel(size, n)
+    dev = torch.device(device)
+
+    def randn(k: int) -> torch.Tensor:
+        return torch.randn(k, device=dev)
+
+    def empty(k: int) -> torch.Tensor:
+        return torch.empty(k, device=dev)
+
+    x = randn(numel)
     native = name.startswith("torch.")
     if kind == "all_reduce":
         return (lambda: dist.all_reduce(x)) if native else (lambda: getattr(C, name)(x, comm=comm, check=False))
@@ -90,61 +105,66 @@ def _case(kind: str, name: str, size: int, n: int, rank: int, comm: Any) -> Call
     if kind == "reduce":
         return (lambda: dist.reduce(x, dst=0)) if native else (lambda: C.reduce_tree(x, dst=0, comm=comm, check=False))
     if kind == "all_gather":
-        inp, out = torch.randn(numel // n), torch.empty(numel)
+        inp, out = randn(numel // n), empty(numel)
         return (lambda: comm.all_gather_into_tensor(out, inp)) if native else (
             lambda: C.all_gather_ring(out, inp, comm=comm, check=False))
     if kind == "reduce_scatter":
-        out = torch.empty(numel // n)
+        out = empty(numel // n)
         return (lambda: comm.reduce_scatter_tensor(out, x)) if native else (
             lambda: C.reduce_scatter_ring(out, x, comm=comm, check=False))
     if kind == "all_to_all":
-        out = torch.empty(numel)
+        out = empty(numel)
         return (lambda: dist.all_to_all_single(out, x)) if native else (
             lambda: C.all_to_all_pairwise(out, x, comm=comm, check=False))
     if kind == "scatter":
-        out = torch.empty(numel // n)
+        out = empty(numel // n)
         parts = list(x.chunk(n)) if rank == 0 else None
         return (lambda: dist.scatter(out, parts, src=0)) if native else (
             lambda: C.scatter(out, parts, src=0, comm=comm, check=False))
     if kind == "gather":
-        inp = torch.randn(numel // n)
-        parts = [torch.empty(numel // n) for _ in range(n)] if rank == 0 else None
+        inp = randn(numel // n)
+        parts = [empty(numel // n) for _ in range(n)] if rank == 0 else None
         return (lambda: dist.gather(inp, parts, dst=0)) if native else (
             lambda: C.gather(inp, parts, dst=0, comm=comm, check=False))
     raise ValueError(f"unknown kind {kind!r}")
 
 
-def worker(sizes: list[int], repeats: int = 5, warmup: int = 2, kinds: list[str] | None = None) -> dict[str, Any]:
-    """One rank of the benchmark; rank 0 returns every row (others return their rank only)."""
+def worker(sizes: list[int], repeats: int = 5, warmup: int = 2, kinds: list[str] | None = None,
+           device: str | None = None) -> dict[str, Any]:
+    """One rank of the benchmark; rank 0 returns every row (the others an empty list).
+
+    ``device`` is passed to :func:`lslm.runtime.init_distributed` (``None``: its choice,
+    or ``LSLM_DEVICE``). Per (kind, size), torch's call and the lslm algorithms run
+    interleaved through :func:`lslm.harness.run_variants`.
+    """
     from lslm.runtime import init_distributed
     from lslm.runtime.ledger import bus_factor
 
-    rows = []
-    with init_distributed() as ctx:
+    found: dict[tuple[str, str, int], dict[str, Any]] = {}
+    with init_distributed(device=device) as ctx:
         torch.set_num_threads(1)
         ctx.comm.ledger.enabled = False  # counting is the tests' job; keep the timed path lean
         n = ctx.world_size
-        for kind in kinds or list(LSLM_ALGORITHMS):
-            for name in (f"torch.{kind}", *LSLM_ALGORITHMS[kind]):
-                for size in sizes:
-                    call = _case(kind, name, size, n, ctx.rank, ctx.comm)
-                    for _ in range(warmup):
-                        call()
-                    times = torch.empty(repeats, dtype=torch.float64)
-                    for i in range(repeats):
-                        dist.barrier()
-                        t0 = time.perf_counter()
-                        call()
-                        times[i] = time.perf_counter() - t0
-                    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # each call costs what its slowest rank took
-                    t = statistics.median(times.tolist())
-                    real_size = (max(n, size // 4) // n * n) * 4
+        kinds = kinds or list(LSLM_ALGORITHMS)
+        for kind in kinds:
+            names = (f"torch.{kind}", *LSLM_ALGORITHMS[kind])
+            for size in sizes:
+                calls = {name: _case(kind, name, size, n, ctx.rank, ctx.comm, ctx.device) for name in names}
+                variants = [Variant(name, lambda timer, i, call=call: call()) for name, call in calls.items()]
+                timings = run_variants(variants, steps=repeats, warmup=warmup, device=ctx.device)
+                real_size = _numel(size, n) * 4
+                for name in names:
+                    t = timings[name].median()
                     algbw = real_size / t
-                    rows.append({"world_size": n, "kind": kind, "algorithm": name, "bytes": real_size,
-                                 "time_s": t, "algbw_GBps": algbw / 1e9,
-                                 "busbw_GBps": algbw * bus_factor(kind, n) / 1e9})
-                    del call
-    return {"rank": ctx.rank, "rows": rows if ctx.rank == 0 else []}
+                    found[(kind, name, size)] = {
+                        "world_size": n, "kind": kind, "algorithm": name, "bytes": real_size, "time_s": t,
+                        "algbw_GBps": algbw / 1e9, "busbw_GBps": algbw * bus_factor(kind, n) / 1e9}
+                del calls, variants
+        # The table's order: by kind, then algorithm, then size.
+        rows = [found[(k, name, size)] for k in kinds for name in (f"torch.{k}", *LSLM_ALGORITHMS[k])
+                for size in sizes]
+        return {"rank": ctx.rank, "backend": ctx.backend, "device": str(ctx.device),
+                "rows": rows if ctx.rank == 0 else []}
 
 
 def fit_alpha_beta(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -183,7 +203,8 @@ def ring_to_native_ratio(rows: list[dict[str, Any]], size: int | None = None) ->
     if size is None:
         biggest = max(r["bytes"] for r in rows if r["kind"] == "all_reduce")
         ar = {r["algorithm"]: r for r in rows if r["kind"] == "all_reduce" and r["bytes"] == biggest}
-    return ar["all_reduce_ring"]["busbw_GBps"] / ar["torch.all_reduce"]["busbw_GBps"]
+    native = ar["torch.all_reduce"]["busbw_GBps"]
+    return ar["all_reduce_ring"]["busbw_GBps"] / native if native else float("nan")  # one rank: no bus traffic
 
 
 def plot(results: dict[int, dict[str, Any]], path: Path) -> None:
@@ -205,7 +226,7 @@ def plot(results: dict[int, dict[str, Any]], path: Path) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("message size (MiB)")
         ax.set_ylabel("bus bandwidth (GB/s)")
-        ax.set_title(f"all-reduce bus bandwidth, {n} processes (gloo)")
+        ax.set_title(f"all-reduce bus bandwidth, {n} processes ({results[n].get('backend', 'gloo')})")
         ax.legend(fontsize=8)
         ax = row_axes[1]
         for name in [a for names in LSLM_ALGORITHMS.values() for a in names]:
@@ -229,35 +250,40 @@ def plot(results: dict[int, dict[str, Any]], path: Path) -> None:
 
 def run(nprocs: tuple[int, ...] = (2, 4), sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5,
         warmup: int = 2, out_dir: str | Path | None = "bench/results", kinds: list[str] | None = None,
-        timeout: float = 900.0) -> dict[int, dict[str, Any]]:
-    """Launch the benchmark at each world size, fit the model, print the table, write JSON and PNG."""
+        timeout: float = 900.0, device: str = "cpu") -> dict[int, dict[str, Any]]:
+    """Launch the benchmark at each world size on ``device``, fit the model; print the table and write
+    ``collectives.txt`` (the printed text), ``.json`` and ``.png`` to ``out_dir`` (``None``: print only)."""
     from lslm.runtime.launch import launch
 
+    env = device_env(device)  # before any process starts
     results: dict[int, dict[str, Any]] = {}
     for n in nprocs:
         res = launch("lslm.bench.collectives:worker", nproc=n, timeout=timeout, output="none", sizes=list(sizes),
-                     repeats=repeats, warmup=warmup, kinds=kinds, env={"LSLM_BACKEND": "gloo", "LSLM_DEVICE": "cpu"})
+                     repeats=repeats, warmup=warmup, kinds=kinds, env=env)
         rows = res[0]["rows"]
-        results[n] = {"rows": rows, "fit": fit_alpha_beta(rows)}
-    _print_table(results)
-    if out_dir is not None:
-        write_results(results, out_dir, "collectives", plot)
-    if all("all_reduce" in {r["kind"] for r in v["rows"]} for v in results.values()):
-        ratios = ", ".join(f"{n} processes {ring_to_native_ratio(v['rows']):.2f}" for n, v in results.items())
-        biggest = max(sizes) / MIB
-        print(f"ring all-reduce / torch all_reduce bus bandwidth at {biggest:g} MiB: {ratios}")
+        results[n] = {"rows": rows, "fit": fit_alpha_beta(rows), "backend": res[0]["backend"],
+                      "device": res[0]["device"]}
+    with Report("collectives", out_dir) as report:
+        print_table(results, report)
+        report.write(results, plot)
+        if all("all_reduce" in {r["kind"] for r in v["rows"]} for v in results.values()):
+            ratios = ", ".join(f"{n} processes {ring_to_native_ratio(v['rows']):.2f}" for n, v in results.items())
+            biggest = max(sizes) / MIB
+            report.print(f"ring all-reduce / torch all_reduce bus bandwidth at {biggest:g} MiB: {ratios}")
     return results
 
 
-def _print_table(results: dict[int, dict[str, Any]]) -> None:
+def print_table(results: dict[int, dict[str, Any]], report: Report | None = None) -> None:
+    """One table per world size: time, algbw and busbw of every (kind, algorithm, size), then the fit."""
+    out = report.print if report is not None else print
     for n, res in results.items():
-        print(f"\n== {n} processes (gloo) ==")
-        print(f"{'kind':<15} {'algorithm':<28} {'size':>9} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+        out(f"\n== {n} processes ({res.get('backend', 'gloo')}) ==")
+        out(f"{'kind':<15} {'algorithm':<28} {'size':>9} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11}")
         for r in res["rows"]:
             size = f"{r['bytes'] / MIB:g} MiB" if r["bytes"] >= MIB else f"{r['bytes'] / KIB:g} KiB"
-            print(f"{r['kind']:<15} {r['algorithm']:<28} {size:>9} {r['time_s'] * 1e3:>9.3f} "
-                  f"{r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f}")
+            out(f"{r['kind']:<15} {r['algorithm']:<28} {size:>9} {r['time_s'] * 1e3:>9.3f} "
+                f"{r['algbw_GBps']:>11.3f} {r['busbw_GBps']:>11.3f}")
         f = res["fit"]
-        print(f"fit: alpha = {f['alpha_s'] * 1e6:.1f} us, beta = {f['beta_s_per_byte'] * 1e9:.3f} ns/B "
-              f"(1/beta = {f['bandwidth_GBps']:.2f} GB/s), gamma = {f['gamma_s_per_byte'] * 1e9:.3f} ns/B; "
-              f"median |error| {f['median_rel_error'] * 100:.0f}%")
+        out(f"fit: alpha = {f['alpha_s'] * 1e6:.1f} us, beta = {f['beta_s_per_byte'] * 1e9:.3f} ns/B "
+            f"(1/beta = {f['bandwidth_GBps']:.2f} GB/s), gamma = {f['gamma_s_per_byte'] * 1e9:.3f} ns/B; "
+            f"median |error| {f['median_rel_error'] * 100:.0f}%")

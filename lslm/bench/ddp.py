@@ -5,11 +5,14 @@ For each world size one job is launched. In it every rank builds one model copy 
 ``local`` entry that trains without any communication (each rank alone on its
 share: the floor every variant is compared with), and the bucket-size sweep
 (``bucketed``, and ``torch`` too unless ``sweep_torch=False``, at each size of
-``sweep_mb``). Entries run **round-robin**, one step each in turn, so slow drifts of
-the machine hit all of them alike; every step starts after a barrier and is timed
-on every rank; a step costs what its *slowest* rank took (all-reduce MAX), and we
-report medians over the timed steps after ``warmup`` untimed rounds. Every entry
-sees the same batch at the same step.
+``sweep_mb``). The entries are variants of the bench runner
+(:func:`lslm.harness.run_variants`): they run **round-robin**, one step each in turn,
+so slow drifts of the machine hit all of them alike; every step starts after a barrier
+and is timed on every rank (a :class:`~lslm.harness.StepTimer`: CUDA events on GPUs,
+where NCCL runs asynchronously); a step costs what its *slowest* rank took, and we
+report medians over the timed steps after ``warmup`` untimed rounds. Every entry sees
+the same batch at the same step. The device is a parameter (``"cpu"``: gloo, ``"cuda"``:
+NCCL); the table, ``ddp.json`` and ``ddp.png`` are written together (:class:`lslm.harness.Report`).
 
 Per step and rank: ``compute`` = forward + backward, ``exposed`` = time in
 ``finish_grad_sync()``, ``optimizer`` = clip + AdamW step, ``step`` = all of it.
@@ -48,19 +51,21 @@ The last printed line is the bucketed / torch DDP step-time ratio per world size
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lslm.bench.results import write_results
+from lslm.bench.ddp_report import plot, print_table, ratio
+from lslm.bench.devices import device_env
 from lslm.data_parallel.ddp import GRAD_LABEL, cap_bytes
+from lslm.harness import Report, StepTimer, Variant, run_variants
 from lslm.runtime.startup import synchronize
 
-MIB = 1024 * 1024
+__all__ = ["BENCH_MODEL", "DEFAULT_BUCKET_MB", "DEFAULT_SWEEP_MB", "QUICK_MODEL", "plot", "print_table", "ratio",
+           "run", "worker"]
+
 #: 4 blocks of width 256: 3.7 M parameters, 14.1 MiB of fp32 gradients; forward +
 #: backward of 2 x 64 tokens takes ~60 ms on one core, so on gloo the all-reduce is
 #: a sizeable part of the step (communication matters) and the bench stays short.
@@ -70,6 +75,9 @@ DEFAULT_BUCKET_MB = 4.0
 DEFAULT_SWEEP_MB = (0.25, 1.0, 4.0, 16.0)
 QUICK_SWEEP_MB = (0.25, 1.0)
 MAIN_VARIANTS = ("naive", "fused", "bucketed", "torch")
+#: The phases of a step, as spans between the marks :func:`_one_step` sets; "compute" picks the critical rank.
+PHASES = {"compute": ("start", "backward_end"), "exposed": ("backward_end", "sync_end"),
+          "optimizer": ("sync_end", "end")}
 
 
 def _torch_hook_bytes(model_cfg: dict[str, Any], ctx: Any, bucket_cap_mb: float, batch: torch.Tensor,
@@ -96,22 +104,35 @@ def _torch_hook_bytes(model_cfg: dict[str, Any], ctx: Any, bucket_cap_mb: float,
     return out
 
 
-def _critical_path(every: torch.Tensor) -> torch.Tensor:
-    """``every[rank, entry, step, (step, compute, exposed, optimizer)]`` -> ``[entry, step, 4]``.
+def _one_step(net: Any, ddp: Any, opt: Any, block: torch.Tensor, timer: StepTimer) -> None:
+    """One training step between the timer's start and stop, marking forward, backward and sync ends."""
+    from lslm.recipes.ddp import model_loss
 
-    Step time: the slowest rank's. Compute, exposed and optimizer: those of the rank
-    whose forward + backward took longest (the last to reach the all-reduces): its
-    wait is communication, not waiting for slower peers.
-    """
-    crit = every[..., 1].argmax(dim=0)  # [entry, step]
-    out = torch.gather(every, 0, crit[None, ..., None].expand(1, *crit.shape, 4))[0]
-    out[..., 0] = every[..., 0].amax(dim=0)
-    return out
+    x, y = block[:, :-1], block[:, 1:]
+    opt.zero_grad(set_to_none=True)
+    loss = model_loss(ddp if ddp is not None else net, x, y)
+    timer.mark("forward_end")
+    loss.backward()
+    timer.mark("backward_end")
+    if ddp is not None:
+        ddp.finish_grad_sync()
+    timer.mark("sync_end")
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+    opt.step()
+
+
+def _entries(bucket_cap_mb: float, sweep_mb: list[float] | None, sweep_torch: bool) -> list[tuple[str, float]]:
+    entries = [(v, bucket_cap_mb) for v in MAIN_VARIANTS] + [("local", bucket_cap_mb)]
+    for mb in sweep_mb or []:
+        for v in ("bucketed", "torch") if sweep_torch else ("bucketed",):
+            if (v, mb) not in entries:
+                entries.append((v, mb))
+    return entries
 
 
 def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float = DEFAULT_BUCKET_MB,
            sweep_mb: list[float] | None = None, sweep_torch: bool = True, steps: int = 15, warmup: int = 3,
-           threads: int = 1, comm_repeats: int = 7, seed: int = 0) -> dict[str, Any]:
+           threads: int = 1, comm_repeats: int = 7, seed: int = 0, device: str | None = None) -> dict[str, Any]:
     """One rank of the benchmark (see the module doc); rank 0 returns the rows, the others ``{"rank"}``."""
     from torch.utils.data import DataLoader
 
@@ -119,17 +140,12 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
     from lslm.data.sampler import make_sampler
     from lslm.data_parallel.ddp import make_ddp
     from lslm.models.gpt import GPT, GPTConfig
-    from lslm.recipes.ddp import model_loss
     from lslm.runtime import init_distributed
 
-    with init_distributed(seed=seed) as ctx:
+    with init_distributed(device=device, seed=seed) as ctx:
         torch.set_num_threads(threads)
-        n, dev = ctx.world_size, ctx.device
-        entries: list[tuple[str, float]] = [(v, bucket_cap_mb) for v in MAIN_VARIANTS] + [("local", bucket_cap_mb)]
-        for mb in sweep_mb or []:
-            for v in ("bucketed", "torch") if sweep_torch else ("bucketed",):
-                if (v, mb) not in entries:
-                    entries.append((v, mb))
+        n, dev, ledger = ctx.world_size, ctx.device, ctx.comm.ledger
+        entries = _entries(bucket_cap_mb, sweep_mb, sweep_torch)
 
         # The same batches for every entry: step i of every entry sees batch i.
         blocks = token_blocks(model["block_size"], model["vocab_size"])
@@ -137,77 +153,52 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
         loader = iter(DataLoader(blocks, batch_size=batch_per_rank, sampler=sampler, drop_last=True))
         data = [next(loader)["input_ids"].to(dev) for _ in range(warmup + steps)]
 
-        runs = []
+        runs, variants = [], []
         for variant, mb in entries:
             torch.manual_seed(seed)
             net = GPT(GPTConfig(**model)).to(dev)
             ddp = None if variant == "local" else make_ddp(net, ctx, variant=variant, bucket_cap_mb=mb)
             opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False)
             runs.append((variant, mb, net, ddp, opt))
+            start = [0]  # the ledger's length when this entry's step began
 
-        def one_step(net: Any, ddp: Any, opt: Any, block: torch.Tensor) -> dict[str, float]:
-            x, y = block[:, :-1], block[:, 1:]
-            dist.barrier()
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = model_loss(ddp if ddp is not None else net, x, y)
-            tf = time.perf_counter()
-            loss.backward()
-            synchronize(dev)
-            t1 = time.perf_counter()
-            if ddp is not None:
-                ddp.finish_grad_sync()
-            synchronize(dev)
-            t2 = time.perf_counter()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-            opt.step()
-            synchronize(dev)
-            return {"t0": t0, "forward_end": tf, "backward_end": t1, "sync_end": t2, "step_end": time.perf_counter()}
+            def run(timer: StepTimer, i: int, net: Any = net, ddp: Any = ddp, opt: Any = opt,
+                    start: list[int] = start) -> None:
+                start[0] = len(ledger.records)
+                _one_step(net, ddp, opt, data[i], timer)
 
-        ledger = ctx.comm.ledger
-        times = torch.zeros(len(entries), steps, 4, dtype=torch.float64)  # step, compute, exposed, optimizer
-        grad_bytes_seen = [[0] * steps for _ in entries]
-        for it in range(warmup + steps):
-            for e, (_variant, _mb, net, ddp, opt) in enumerate(runs):
-                start = len(ledger.records)
-                m = one_step(net, ddp, opt, data[it])
-                if it >= warmup:
-                    s = it - warmup
-                    times[e, s] = torch.tensor([m["step_end"] - m["t0"], m["backward_end"] - m["t0"],
-                                                m["sync_end"] - m["backward_end"], m["step_end"] - m["sync_end"]],
-                                               dtype=torch.float64)
-                    grad_bytes_seen[e][s] = ledger.total_bytes("all_reduce", label=GRAD_LABEL, since=start)
-            ledger.reset()  # keep the ledger small; every step was counted above
+            def grad_bytes_seen(i: int, start: list[int] = start) -> int:
+                return ledger.total_bytes("all_reduce", label=GRAD_LABEL, since=start[0])
+
+            variants.append(Variant(f"{variant} {mb:g}", run, grad_bytes_seen))
+        # Round-robin, barrier, slowest rank per step, phases on the rank with the longest compute.
+        timings = list(run_variants(variants, steps=steps, warmup=warmup, phases=PHASES, critical="compute",
+                                    device=dev, after_round=lambda _i: ledger.reset()).values())
 
         # One more (untimed) step of the main bucketed entry with its timeline on, for the overlap plot.
         main_b = entries.index(("bucketed", bucket_cap_mb))
         _, _, bnet, bddp, bopt = runs[main_b]
         bddp.record_timeline = True
         bddp.reset_timeline()
-        timeline = {**one_step(bnet, bddp, bopt, data[-1]), "events": list(bddp.timeline)}
+        dist.barrier()
+        timer = StepTimer(dev)
+        timer.start()
+        _one_step(bnet, bddp, bopt, data[-1], timer)
+        m = timer.stop()
+        timeline = {"t0": m["start"], "forward_end": m["forward_end"], "backward_end": m["backward_end"],
+                    "sync_end": m["sync_end"], "step_end": m["end"], "events": list(bddp.timeline)}
         bddp.record_timeline = False
 
-        # Every rank's times to every rank, then per step: the step costs what its slowest rank
-        # took; the split is read on the critical-path rank (the one with the longest compute).
-        every = [torch.empty_like(times) for _ in range(n)]
-        dist.all_gather(every, times)
-        times = _critical_path(torch.stack(every))
-
-        # C: the bucketed entry's buckets all-reduced alone, one after another.
+        # C: the bucketed entry's buckets all-reduced alone, one after another (same runner rules).
         numel = dict((name, p.numel()) for name, p in bnet.named_parameters())
         bufs = [torch.randn(sum(numel[nm] for nm in names), device=dev) for names in bddp.buckets]
-        comm_t = torch.zeros(comm_repeats, dtype=torch.float64)
-        for _ in range(2):  # warm-up
+
+        def comm_alone(timer: StepTimer, i: int) -> None:
             for b in bufs:
                 dist.all_reduce(b)
-        for i in range(comm_repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for b in bufs:
-                dist.all_reduce(b)
-            synchronize(dev)
-            comm_t[i] = time.perf_counter() - t0
-        dist.all_reduce(comm_t, op=dist.ReduceOp.MAX)
+
+        alone = run_variants([Variant("comm alone", comm_alone)], steps=comm_repeats, warmup=2, device=dev)
+        comm_alone_s = alone["comm alone"].median()
         torch_hook = _torch_hook_bytes(model, ctx, bucket_cap_mb, data[0])
 
         gathered: list[Any] = [None] * n  # every rank's timeline, for the plot
@@ -215,27 +206,25 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
 
         rows = []
         num_params = sum(p.numel() for p in bnet.parameters())
-        for e, (variant, mb, _net, ddp, _) in enumerate(runs):
-            med = [statistics.median(times[e, :, k].tolist()) for k in range(4)]
-            seen = grad_bytes_seen[e]
+        for (variant, mb, _net, ddp, _), t in zip(runs, timings):
             grad_bytes = int(ddp.grad_bytes) if ddp is not None else 0
             rows.append({
                 "world_size": n, "variant": variant, "bucket_mb": mb,
                 "num_buckets": len(ddp.buckets) if variant in ("naive", "fused", "bucketed") else None,
-                "step_ms": med[0] * 1e3, "compute_ms": med[1] * 1e3, "exposed_ms": med[2] * 1e3,
-                "optimizer_ms": med[3] * 1e3, "step_ms_all": (times[e, :, 0] * 1e3).tolist(),
-                "grad_bytes": grad_bytes, "ledger_bytes_per_step": seen,
-                "ledger_exact": variant in ("naive", "fused", "bucketed") and all(b == grad_bytes for b in seen)
+                "step_ms": t.median() * 1e3, "compute_ms": t.median("compute") * 1e3,
+                "exposed_ms": t.median("exposed") * 1e3, "optimizer_ms": t.median("optimizer") * 1e3,
+                "step_ms_all": [x * 1e3 for x in t.total_s],
+                "grad_bytes": grad_bytes, "ledger_bytes_per_step": t.extra,
+                "ledger_exact": variant in ("naive", "fused", "bucketed") and all(b == grad_bytes for b in t.extra)
                 and grad_bytes == 4 * num_params,
             })
-        comm_alone = statistics.median(comm_t.tolist())
         main = rows[main_b]
         result = {
             "world_size": n, "num_parameters": num_params, "grad_bytes": 4 * num_params, "model": model,
             "batch_per_rank": batch_per_rank, "bucket_cap_mb": bucket_cap_mb, "steps": steps, "warmup": warmup,
-            "threads": torch.get_num_threads(), "rows": rows,
-            "bucket_bytes": [4 * b.numel() for b in bufs], "comm_alone_ms": comm_alone * 1e3,
-            "hidden_fraction": 1 - main["exposed_ms"] / (comm_alone * 1e3),
+            "threads": torch.get_num_threads(), "backend": ctx.backend, "device": str(dev), "rows": rows,
+            "bucket_bytes": [4 * b.numel() for b in bufs], "comm_alone_ms": comm_alone_s * 1e3,
+            "hidden_fraction": 1 - main["exposed_ms"] / (comm_alone_s * 1e3),
             "torch_hook_bytes_per_step": [b for b, _ in torch_hook],
             "torch_hook_exact": all(b == 4 * num_params for b, _ in torch_hook),
             "torch_num_buckets": torch_hook[-1][1],  # after its re-plan from the first iteration
@@ -244,83 +233,13 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
     return {"rank": ctx.rank, **(result if ctx.rank == 0 else {})}
 
 
-def _row(rows: list[dict[str, Any]], variant: str, mb: float) -> dict[str, Any]:
-    return next(r for r in rows if r["variant"] == variant and r["bucket_mb"] == mb)
-
-
-def ratio(result: dict[str, Any], a: str = "bucketed", b: str = "torch") -> float:
-    """Median step time of variant ``a`` over ``b`` at the common bucket size."""
-    mb = result["bucket_cap_mb"]
-    return _row(result["rows"], a, mb)["step_ms"] / _row(result["rows"], b, mb)["step_ms"]
-
-
-def print_table(results: dict[int, dict[str, Any]]) -> None:
-    """The main comparison, the sweep and the hidden fraction, per world size."""
-    for n, res in results.items():
-        mb = res["bucket_cap_mb"]
-        local = _row(res["rows"], "local", mb)["step_ms"]
-        print(f"\n== {n} processes (gloo, {res['threads']} thread(s)/rank): GPT {res['num_parameters']:,} params, "
-              f"{res['grad_bytes'] / MIB:.1f} MiB of gradients, {res['batch_per_rank']} x "
-              f"{res['model']['block_size']} tokens per rank, medians of {res['steps']} steps ==")
-        print(f"{'variant':<9} {'bucket MiB':>10} {'buckets':>7} {'step ms':>8} {'compute':>8} {'exposed':>8} "
-              f"{'optim':>6} {'vs local':>8} {'vs torch':>8}  ledger bytes/step")
-        torch_ms = _row(res["rows"], "torch", mb)["step_ms"]
-        for r in res["rows"]:
-            if r["bucket_mb"] != mb:
-                continue
-            if r["variant"] in ("naive", "fused", "bucketed"):
-                led = f"{r['ledger_bytes_per_step'][0]:,} = grads {r['ledger_exact']}"
-            elif r["variant"] == "torch":
-                led = (f"{res['torch_hook_bytes_per_step'][0]:,} = grads {res['torch_hook_exact']} "
-                       "(comm-hook copy)")
-            else:
-                led = "no communication"
-            nb = res["torch_num_buckets"] if r["variant"] == "torch" else r["num_buckets"]
-            print(f"{r['variant']:<9} {r['bucket_mb']:>10g} {'-' if nb is None else nb:>7} {r['step_ms']:>8.1f} "
-                  f"{r['compute_ms']:>8.1f} {r['exposed_ms']:>8.1f} {r['optimizer_ms']:>6.1f} "
-                  f"{r['step_ms'] / local:>7.2f}x {r['step_ms'] / torch_ms:>7.2f}x  {led}")
-        print(f"bucket-size sweep: {'bucket MiB':>10} {'buckets':>7} {'bucketed ms':>11} {'torch ms':>9} "
-              f"{'ratio':>6}")
-        for m in sorted({r["bucket_mb"] for r in res["rows"] if r["variant"] == "bucketed"}):
-            b = _row(res["rows"], "bucketed", m)
-            t = next((r for r in res["rows"] if r["variant"] == "torch" and r["bucket_mb"] == m), None)
-            tail = f"{t['step_ms']:>9.1f} {b['step_ms'] / t['step_ms']:>5.2f}x" if t else f"{'-':>9} {'-':>6}"
-            print(f"{'':<18} {m:>10g} {b['num_buckets']:>7} {b['step_ms']:>11.1f} {tail}")
-        naive = _row(res["rows"], "naive", mb)["step_ms"]
-        buck = _row(res["rows"], "bucketed", mb)["step_ms"]
-        exposed = _row(res["rows"], "bucketed", mb)["exposed_ms"]
-        print(f"hidden fraction (bucketed, {mb:g} MiB buckets): 1 - exposed {exposed:.1f} ms"
-              f" / all-reduce alone {res['comm_alone_ms']:.1f} ms = {res['hidden_fraction']:.2f}; "
-              f"bucketed is {naive / buck:.2f}x faster than naive ({naive - buck:.1f} ms per step)")
-
-
-def plot(results: dict[int, dict[str, Any]], path: Path) -> None:
-    """Step-time breakdown per variant, the bucket sweep and the rank timelines, one row per world size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from lslm.plot.ddp import plot_bucket_sweep, plot_step_breakdown, plot_timeline
-
-    worlds = sorted(results)
-    fig, axes = plt.subplots(len(worlds), 3, figsize=(16, 4.2 * len(worlds)), dpi=80, squeeze=False)
-    for row, n in zip(axes, worlds):
-        plot_step_breakdown(results[n], ax=row[0])
-        plot_bucket_sweep(results[n], ax=row[1])
-        plot_timeline(results[n]["timeline"], ax=row[2],
-                      title=f"bucketed, {results[n]['bucket_cap_mb']:g} MiB buckets, {n} processes: one step")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 def run(nprocs: tuple[int, ...] = (2, 4), *, quick: bool = False, model: dict[str, Any] | None = None,
-        steps: int | None = None,
-        warmup: int | None = None, bucket_cap_mb: float = DEFAULT_BUCKET_MB,
+        steps: int | None = None, warmup: int | None = None, bucket_cap_mb: float = DEFAULT_BUCKET_MB,
         sweep_mb: tuple[float, ...] | None = None, sweep_torch: bool = True, threads: int = 1,
-        out_dir: str | Path | None = "bench/results", timeout: float = 1200.0) -> dict[int, dict[str, Any]]:
-    """Launch the benchmark at each world size, print the table, write ``ddp.json`` + ``ddp.png``.
+        out_dir: str | Path | None = "bench/results", timeout: float = 1200.0,
+        device: str = "cpu") -> dict[int, dict[str, Any]]:
+    """Launch the benchmark at each world size on ``device``; print the table and write ``ddp.txt``
+    (the printed text), ``ddp.json`` and ``ddp.png`` to ``out_dir`` (``None``: print only).
 
     ``quick=True``: a tiny model, 3 timed steps, a two-point sweep, for tests and
     notebooks (structure and exact bytes are meaningful, timings are not). ``model``
@@ -333,6 +252,7 @@ def run(nprocs: tuple[int, ...] = (2, 4), *, quick: bool = False, model: dict[st
     for n in nprocs:
         if not isinstance(n, int) or n < 2:
             raise ValueError(f"world sizes must be ints >= 2 (data parallelism needs peers), got {n!r}")
+    env = device_env(device)
     model = dict(model or (QUICK_MODEL if quick else BENCH_MODEL))
     steps = steps if steps is not None else (3 if quick else 15)
     warmup = warmup if warmup is not None else (1 if quick else 3)
@@ -341,11 +261,11 @@ def run(nprocs: tuple[int, ...] = (2, 4), *, quick: bool = False, model: dict[st
     for n in nprocs:
         res = launch("lslm.bench.ddp:worker", nproc=n, timeout=timeout, output="none", model=model,
                      bucket_cap_mb=bucket_cap_mb, sweep_mb=sweep, sweep_torch=sweep_torch, steps=steps,
-                     warmup=warmup, threads=threads, env={"LSLM_BACKEND": "gloo", "LSLM_DEVICE": "cpu"})
+                     warmup=warmup, threads=threads, env=env)
         results[n] = res[0]
-    print_table(results)
-    if out_dir is not None:
-        write_results(results, out_dir, "ddp", plot)
-    print("bucketed / torch DDP step time (target <= 1.10): "
-          + ", ".join(f"{n} processes {ratio(r):.2f}x" for n, r in results.items()))
+    with Report("ddp", out_dir) as report:
+        print_table(results, report)
+        report.write(results, plot)
+        report.print("bucketed / torch DDP step time (target <= 1.10): "
+                     + ", ".join(f"{n} processes {ratio(r):.2f}x" for n, r in results.items()))
     return results

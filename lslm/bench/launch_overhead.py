@@ -3,16 +3,20 @@
 ``echo`` starts torchrun and N Python workers that import lslm and return at once
 (no process group); ``smoke`` also joins a gloo group, all-reduces 4 KiB and tears
 down. Medians of ``repeats`` runs; this is the fixed cost every notebook cell pays.
+The table, ``launch_overhead.json`` and ``launch_overhead.png`` are written together
+(:class:`lslm.harness.Report`).
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
+from lslm.harness import Report
 from lslm.runtime.launch import launch
+
+__all__ = ["main", "measure", "plot", "print_table"]
 
 
 def measure(nprocs: tuple[int, ...] = (2, 4), repeats: int = 5) -> list[dict[str, Any]]:
@@ -26,13 +30,42 @@ def measure(nprocs: tuple[int, ...] = (2, 4), repeats: int = 5) -> list[dict[str
     return rows
 
 
-def main(out: str | None = None, nprocs: tuple[int, ...] = (2, 4), repeats: int = 5) -> list[dict[str, Any]]:
-    """Print the table; write JSON to ``out`` if given."""
-    rows = measure(nprocs, repeats)
-    print(f"{'nproc':>5} {'job':<6} {'median s':>9} {'min s':>7} {'max s':>7}")
+def print_table(rows: list[dict[str, Any]], report: Report | None = None) -> None:
+    """One line per (world size, job): median, min and max seconds."""
+    out = report.print if report is not None else print
+    out(f"{'nproc':>5} {'job':<6} {'median s':>9} {'min s':>7} {'max s':>7}")
     for r in rows:
-        print(f"{r['nproc']:>5} {r['job']:<6} {r['median_s']:>9.2f} {r['min_s']:>7.2f} {r['max_s']:>7.2f}")
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(rows, indent=1))
+        out(f"{r['nproc']:>5} {r['job']:<6} {r['median_s']:>9.2f} {r['min_s']:>7.2f} {r['max_s']:>7.2f}")
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Median launch time per world size, echo and smoke side by side, min-max as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    nprocs = sorted({r["nproc"] for r in rows})
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=80)
+    for k, job in enumerate(("echo", "smoke")):
+        pts = [next(r for r in rows if r["nproc"] == n and r["job"] == job) for n in nprocs]
+        xs = [i + (k - 0.5) * 0.38 for i in range(len(nprocs))]
+        med = [p["median_s"] for p in pts]
+        err = [[m - p["min_s"] for m, p in zip(med, pts)], [p["max_s"] - m for m, p in zip(med, pts)]]
+        ax.bar(xs, med, 0.38, yerr=err, capsize=3, label=job)
+    ax.set_xticks(range(len(nprocs)), [f"{n} processes" for n in nprocs])
+    ax.set_ylabel("wall time of lslm.launch (s)")
+    ax.set_title("start-up cost of a job (median, min-max)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(out_dir: str | Path | None = None, nprocs: tuple[int, ...] = (2, 4), repeats: int = 5) -> list[dict[str, Any]]:
+    """Measure, print the table; write ``launch_overhead.txt``, ``.json`` and ``.png`` to ``out_dir`` if given."""
+    rows = measure(nprocs, repeats)
+    with Report("launch_overhead", out_dir) as report:
+        print_table(rows, report)
+        report.write(rows, plot)
     return rows

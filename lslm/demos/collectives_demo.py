@@ -27,8 +27,8 @@ def compare_with_torch(numel: int = 1000, root: int = 0) -> dict[str, Any]:
     """
     with init_distributed() as ctx:
         n, r, comm = ctx.world_size, ctx.rank, ctx.comm
-        gen = torch.Generator().manual_seed(r)
-        x = torch.randint(-8, 8, (numel,), generator=gen).float()  # small integers: every sum is exact
+        gen = torch.Generator().manual_seed(r)  # on the host: the same draws on any device
+        x = torch.randint(-8, 8, (numel,), generator=gen).float().to(ctx.device)  # small integers: sums are exact
         rows = []
         for name, algo in C.ALGORITHMS.items():
             comm.ledger.reset()
@@ -48,12 +48,12 @@ def compare_with_torch(numel: int = 1000, root: int = 0) -> dict[str, Any]:
                 if r != root:  # only the root's result is defined
                     got, want = got[:0], want[:0]
             elif kind == "all_gather":
-                got, want = torch.empty(n * numel), torch.empty(n * numel)
+                got, want = x.new_empty(n * numel), x.new_empty(n * numel)
                 algo.fn(got, x, comm=comm)
                 dist.all_gather(list(want.chunk(n)), x)
             elif kind == "reduce_scatter":
                 size = numel // n
-                got, want = torch.empty(size), torch.empty(size)
+                got, want = x.new_empty(size), x.new_empty(size)
                 algo.fn(got, x[: size * n].contiguous(), comm=comm)
                 full = x[: size * n].clone()
                 dist.all_reduce(full)
@@ -61,19 +61,19 @@ def compare_with_torch(numel: int = 1000, root: int = 0) -> dict[str, Any]:
             elif kind == "all_to_all":
                 size = numel // n * n
                 inp = x[:size].contiguous()
-                got, want = torch.empty(size), torch.empty(size)
+                got, want = x.new_empty(size), x.new_empty(size)
                 algo.fn(got, inp, comm=comm)
                 dist.all_to_all_single(want, inp)
             elif kind == "scatter":
                 parts = [x + 100 * j for j in range(n)] if r == root else None
-                got, want = torch.empty(numel), torch.empty(numel)
+                got, want = x.new_empty(numel), x.new_empty(numel)
                 algo.fn(got, parts, src=root, comm=comm)
                 comm.ledger.enabled = False
                 dist.scatter(want, parts, src=root)
                 comm.ledger.enabled = True
             elif kind == "gather":
-                got_list = [torch.empty(numel) for _ in range(n)] if r == root else None
-                want_list = [torch.empty(numel) for _ in range(n)] if r == root else None
+                got_list = [x.new_empty(numel) for _ in range(n)] if r == root else None
+                want_list = [x.new_empty(numel) for _ in range(n)] if r == root else None
                 algo.fn(x, got_list, dst=root, comm=comm)
                 dist.gather(x, want_list, dst=root)
                 got = torch.cat(got_list) if got_list else x[:0]
@@ -91,6 +91,6 @@ def compare_with_torch(numel: int = 1000, root: int = 0) -> dict[str, Any]:
 def ring_all_reduce_result(numel: int = 10) -> dict[str, Any]:
     """Ring all-reduce of ``arange(numel) + 100 * rank`` (to compare with the in-memory simulation)."""
     with init_distributed() as ctx:
-        x = torch.arange(numel, dtype=torch.float32) + 100 * ctx.rank
+        x = torch.arange(numel, dtype=torch.float32, device=ctx.device) + 100 * ctx.rank
         C.all_reduce_ring(x, comm=ctx.comm)
         return {"rank": ctx.rank, "result": x.tolist()}

@@ -52,8 +52,8 @@ def run(devices: list[str] | None = None, *, model: str = "tiny", batch: int = 8
     torch.manual_seed(seed)
     net = GPT(cfg).to(devs[0])
     g = torch.Generator().manual_seed(seed + 1)
-    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(devs[0])
-    y = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(devs[0])
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(devs[0])  # lslm: cpu-ok (host RNG, moved)
+    y = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(devs[0])  # lslm: cpu-ok (host RNG, moved)
 
     net.zero_grad(set_to_none=True)
     ref_logits, ref_loss = net(idx, y)

@@ -88,7 +88,7 @@ def spawn_worker(rank: int, world_size: int, port: int, result_dir: str) -> None
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    x = torch.tensor([float(rank)])
+    x = torch.tensor([float(rank)])  # lslm: cpu-ok (this demo always uses gloo)
     dist.all_reduce(x)
     Path(result_dir, f"rank{rank}.json").write_text(json.dumps(
         {"rank": rank, "pid": os.getpid(), "sum_of_ranks": x.item(), "RANK_env": os.environ.get("RANK")}))
@@ -119,7 +119,7 @@ def init_method_demo(method: str, file_path: str | None = None) -> dict[str, Any
     else:
         raise ValueError(f"method must be 'env', 'tcp' or 'file', got {method!r}")
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-    x = torch.tensor([rank + 1.0])
+    x = torch.tensor([rank + 1.0])  # lslm: cpu-ok (this demo always uses gloo)
     dist.all_reduce(x)
     dist.barrier()
     dist.destroy_process_group()

@@ -93,8 +93,9 @@ def worker(module: str, name: str) -> dict[str, Any]:
         n, r = ctx.world_size, ctx.rank
         problems: list[dict[str, Any]] = []
         for case in range(N_CASES):
-            model = _model(case)
-            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * case + r))  # this rank's data
+            model = _model(case).to(ctx.device)
+            gen = torch.Generator().manual_seed(100 * case + r)  # this rank's data: same numbers on any device
+            x = torch.randn(4, 6, generator=gen).to(ctx.device)  # lslm: cpu-ok (host RNG, then moved)
             model(x).pow(2).mean().backward()
             names = [nm for nm, _ in model.named_parameters()]
             params = list(model.parameters())

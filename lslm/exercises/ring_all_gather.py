@@ -2,7 +2,11 @@
 
 The learner writes ``ring_all_gather(output, input, rank, world_size)``: ``input``
 holds this rank's M elements, ``output`` (n x M, flat) must end with every rank's
-block in rank order, using only ``dist.send/recv/isend/irecv``. The checker runs
+block in rank order, using only point-to-point calls (``dist.send/recv/isend/irecv``
+or ``dist.batch_isend_irecv``). A step that sends to one neighbour and receives from
+the other should post both in one ``batch_isend_irecv`` and wait on every returned
+work: on 2 ranks both neighbours are the same peer, and separately posted
+``isend``/``irecv`` to one peer can deadlock on NCCL for large messages. The checker runs
 it on real processes against ``torch.distributed``'s all-gather, with torch's
 collectives disabled during the call.
 """
@@ -25,7 +29,8 @@ _COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_single", "al
 
 def _refuse(name: str) -> Callable[..., Any]:
     def refuse(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(f"torch.distributed.{name} is off during this exercise: use send/recv/isend/irecv")
+        raise RuntimeError(f"torch.distributed.{name} is off during this exercise: "
+                           "use send/recv/isend/irecv or batch_isend_irecv")
     return refuse
 
 
@@ -48,10 +53,10 @@ def reference_ring_all_gather(output: torch.Tensor, input: torch.Tensor, rank: i
     right, left = (rank + 1) % n, (rank - 1) % n
     for s in range(n - 1):
         send_block, recv_block = (rank - s) % n, (rank - s - 1) % n
-        reqs = [dist.isend(output[send_block * m:(send_block + 1) * m], right),
-                dist.irecv(output[recv_block * m:(recv_block + 1) * m], left)]
-        for req in reqs:
-            req.wait()
+        ops = [dist.P2POp(dist.isend, output[send_block * m:(send_block + 1) * m], right),
+               dist.P2POp(dist.irecv, output[recv_block * m:(recv_block + 1) * m], left)]
+        for work in dist.batch_isend_irecv(ops):  # one batch: safe on NCCL even when left == right
+            work.wait()
 
 
 def worker(module: str, name: str) -> dict[str, Any]:
@@ -64,11 +69,11 @@ def worker(module: str, name: str) -> dict[str, Any]:
         n, r = ctx.world_size, ctx.rank
         problems: list[dict[str, Any]] = []
         for m, dtype in CASES:
-            gen = torch.Generator().manual_seed(1000 * r + m)
-            inp = torch.randint(-50, 50, (m,), generator=gen).to(dtype)
-            want = torch.empty(n * m, dtype=dtype)
+            gen = torch.Generator().manual_seed(1000 * r + m)  # host RNG: the same inputs on any device
+            inp = torch.randint(-50, 50, (m,), generator=gen).to(ctx.device, dtype)  # lslm: cpu-ok (host RNG, moved)
+            want = torch.empty(n * m, dtype=dtype, device=ctx.device)
             ctx.comm.all_gather_into_tensor(want, inp)
-            got = torch.full((n * m,), -999, dtype=dtype)
+            got = torch.full((n * m,), -999, dtype=dtype, device=ctx.device)
             try:
                 with _collectives_disabled():
                     fn(got, inp.clone(), r, n)
@@ -87,7 +92,8 @@ def worker(module: str, name: str) -> dict[str, Any]:
             p = probs[0]
             if "error" in p:
                 return {"passed": False, "message": f"rank {rank} (M={p['m']}, {p['dtype']}): {p['error']}",
-                        "hint": "only send/recv/isend/irecv are allowed; post a send and a receive per step"}
+                        "hint": "only send/recv/isend/irecv/batch_isend_irecv are allowed; "
+                                "post a send and a receive per step"}
             return {"passed": False,
                     "message": f"rank {rank}, M={p['m']} {p['dtype']}: output[{p['index']}] (block {p['block']}) "
                                f"expected {p['expected']}, got {p['got']}",

@@ -1,7 +1,8 @@
 """Single-process training of :class:`lslm.models.GPT` on the corpus: the serial reference.
 
 Every parallel recipe in the course is checked against this loop: same seed, same
-data, same optimiser, so the loss curves can be compared number for number.
+data, same optimiser, so the loss curves can be compared number for number. It is the
+smallest recipe on the harness (:mod:`lslm.harness`): a config, ``build`` and a step.
 
     python -m lslm.recipes.train --steps 30 --out runs/baseline.json
 
@@ -10,22 +11,18 @@ On CPU the run is bitwise reproducible: the same config gives the same losses.
 
 from __future__ import annotations
 
-import argparse
-import json
-import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from lslm.data.corpus import atomic_write_bytes
 from lslm.data.dataset import batches, token_blocks
+from lslm.harness import Built, StepTimer, check_fields, option, parse_config, summarize, train_loop, write_run_log
 from lslm.models.gpt import GPT, GPTConfig
-from lslm.runtime.printing import progress
+from lslm.runtime.context import ParallelContext
 
-__all__ = ["TrainConfig", "train", "build_model", "data_stream", "main"]
+__all__ = ["TrainConfig", "build", "build_model", "data_stream", "main", "make_optimizer", "train"]
 
 
 @dataclass
@@ -33,35 +30,26 @@ class TrainConfig:
     """Everything that defines a baseline run. The defaults train in a few seconds on 2 CPU cores."""
 
     # model
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 64
-    dropout: float = 0.0
-    vocab_size: int = 1024
-    block_size: int = 64
+    n_layer: int = option(2, help="transformer blocks", ge=1)
+    n_head: int = option(4, help="attention heads (must divide n_embd)", ge=1)
+    n_embd: int = option(64, help="model width", ge=1)
+    dropout: float = option(0.0, help="dropout probability", ge=0)
+    vocab_size: int = option(1024, help="BPE vocabulary size of the shipped corpus", ge=1)
+    block_size: int = option(64, help="tokens per sequence", ge=1)
     # optimisation
-    batch_size: int = 8
-    steps: int = 30
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    seed: int = 0
+    batch_size: int = option(8, help="sequences per step (the global batch)", ge=1)
+    steps: int = option(30, help="optimisation steps", ge=1)
+    lr: float = option(3e-3, help="AdamW learning rate", gt=0)
+    weight_decay: float = option(0.1, help="AdamW weight decay of matrices", ge=0)
+    grad_clip: float = option(1.0, help="gradient norm clip (0 disables clipping)", ge=0)
+    seed: int = option(0, help="seed of weights and data order", ge=0)
     # bookkeeping
-    log_every: int = 10
-    device: str = "cpu"
-    out: str | None = None
+    log_every: int = option(10, help="log the loss every this many steps", ge=1)
+    device: str = option("cpu", help="torch device of the run")
+    out: str | None = option(None, help="write the run log (JSON) to this path")
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "steps", "log_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"TrainConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"TrainConfig.seed must be an int >= 0, got {self.seed!r}")
-        if not self.lr > 0:
-            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr!r}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("TrainConfig.weight_decay and grad_clip must be >= 0 (grad_clip=0 disables clipping)")
+        check_fields(self)
         self.model_config()  # fail now, not after the data is built, on bad model sizes
 
     def model_config(self) -> GPTConfig:
@@ -87,7 +75,8 @@ def data_stream(cfg: TrainConfig, *, rank: int = 0, world_size: int = 1) -> Iter
         epoch += 1
 
 
-def _optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """The baseline's AdamW: weight decay on matrices only, betas (0.9, 0.95), the per-parameter loop."""
     # Decay matrices only: shrinking biases and LayerNorm gains towards 0 only hurts.
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -96,70 +85,48 @@ def _optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train for ``cfg.steps`` steps and return the run record.
-
-    Keys: ``losses`` (one float per step), ``step_times_s``, ``tokens_per_step``,
-    ``num_parameters``, ``config`` (``asdict(cfg)``) and ``device``. Written as JSON
-    to ``cfg.out`` when set.
-    """
-    device = torch.device(cfg.device)
+def build(cfg: TrainConfig, ctx: ParallelContext | None = None) -> Built:
+    """The serial technique: the model on ``cfg.device`` (or ``ctx.device``), AdamW, the baseline batches."""
+    device = ctx.device if ctx is not None else torch.device(cfg.device)
     model = build_model(cfg).to(device)
     model.train()
-    optimizer = _optimizer(model, cfg)
-    stream = data_stream(cfg)
-    losses: list[float] = []
-    step_times: list[float] = []
-    bar = progress(range(cfg.steps), desc="train")
-    for step in bar:
-        x, y = next(stream)
-        t0 = time.perf_counter()
-        x, y = x.to(device), y.to(device)
+    optimizer = make_optimizer(model, cfg)
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor], timer: StepTimer) -> torch.Tensor:
+        x, y = (t.to(device) for t in batch)
         _, loss = model(x, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
-        # .item() waits for the device, so the time below is the real step time.
-        losses.append(loss.item())
-        step_times.append(time.perf_counter() - t0)
-        if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    result = {
-        "losses": losses,
-        "step_times_s": step_times,
-        "tokens_per_step": cfg.batch_size * cfg.block_size,
-        "num_parameters": model.num_parameters(),
-        "config": asdict(cfg),
-        "device": str(device),
-    }
+        return loss
+
+    return Built(model=model, optimizer=optimizer, step=step, batches=data_stream(cfg), device=device,
+                 info={"tokens_per_step": cfg.batch_size * cfg.block_size}, name="train")
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train for ``cfg.steps`` steps in this process and return the run record.
+
+    Keys include ``losses`` (one float per step), ``step_times_s`` (= ``step_s``),
+    ``tokens_per_step``, ``num_parameters``, ``memory``, ``config`` (``asdict(cfg)``) and
+    ``device`` (see :func:`lslm.harness.recipe.train_loop`). The run log is written as JSON
+    to ``cfg.out`` when set.
+    """
+    result = train_loop(cfg, build(cfg))
     if cfg.out:
-        atomic_write_bytes(Path(cfg.out), (json.dumps(result, indent=1) + "\n").encode("utf-8"))
-    return result
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m lslm.recipes.train", description="Serial baseline training run.")
-    defaults = TrainConfig()
-    for f in fields(TrainConfig):
-        default = getattr(defaults, f.name)
-        kind = str if f.name == "out" else type(default)
-        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=default,
-                            help=f"(default: {default})")
-    return parser
+        write_run_log(cfg.out, result, [{**summarize(result), "rank": 0}])
+    return {**result, "step_times_s": result["step_s"]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Command line entry point; returns the run record (handy in tests)."""
-    args = _parser().parse_args(argv)
-    try:
-        cfg = TrainConfig(**vars(args))
-    except ValueError as exc:
-        _parser().error(str(exc))
+    cfg, _ = parse_config(TrainConfig, argv, prog="python -m lslm.recipes.train",
+                          description="Serial baseline training run.")
     result = train(cfg)
     losses = result["losses"]
-    ms = 1000 * sorted(result["step_times_s"])[len(losses) // 2]
+    ms = 1000 * sorted(result["step_s"])[len(losses) // 2]
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {cfg.steps} steps; "
           f"median step {ms:.1f} ms; {result['num_parameters']:,} parameters"
           + (f"; wrote {cfg.out}" if cfg.out else ""))

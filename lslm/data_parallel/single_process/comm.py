@@ -21,6 +21,7 @@ the algorithm would not be real.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ import torch
 from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 
-from lslm.data_parallel.single_process.ledger import Place, TransferLedger, tensor_bytes
+from lslm.data_parallel.single_process.ledger import Place, TransferLedger
 
 __all__ = ["Broadcast", "Gather", "Scatter", "chunk_sizes", "move"]
 
@@ -48,14 +49,20 @@ def chunk_sizes(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def move(t: torch.Tensor, device: torch.device, *, src: Place, dst: Place, op: str, phase: str,
+def move(t: torch.Tensor, device: torch.device, *, src: Place, dst: Place, op: str, label: str,
          ledger: TransferLedger | None) -> torch.Tensor:
-    """``t`` at place ``dst``: the tensor itself when it is already there, else a real copy (recorded)."""
+    """``t`` at place ``dst``: the tensor itself when it is already there, else a real copy (recorded).
+
+    ``op`` and ``label`` name the copy in the ledger's vocabulary (see
+    :mod:`~lslm.data_parallel.single_process.ledger`): e.g. ``("scatter", "forward")``.
+    """
     if src == dst:
         return t
+    issue = time.perf_counter()
     out = t.to(device=device, copy=True)
     if ledger is not None:
-        ledger.record(op, phase, src, dst, tensor_bytes(t))
+        ledger.record_copy(op, label, src, dst, t, issue_s=issue,
+                           finished=t.device.type == "cpu" and out.device.type == "cpu")
     return out
 
 
@@ -86,14 +93,14 @@ class Scatter(Function):
         ctx.route, ctx.sizes = route, list(sizes)
         chunks = torch.split(x, list(sizes), dim=0)
         # The chunk destined for x's own place stays a view: no copy, nothing recorded.
-        return tuple(move(c, route.devices[i], src=route.home, dst=i, op="scatter", phase="forward",
+        return tuple(move(c, route.devices[i], src=route.home, dst=i, op="scatter", label="forward",
                           ledger=route.ledger) for i, c in enumerate(chunks))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads: torch.Tensor) -> tuple[None, None, torch.Tensor]:
         route = ctx.route
-        parts = [move(g, route.home_device, src=i, dst=route.home, op="grad_gather", phase="backward",
+        parts = [move(g, route.home_device, src=i, dst=route.home, op="gather", label="backward",
                       ledger=route.ledger) for i, g in enumerate(grads)]
         return None, None, torch.cat(parts, dim=0)
 
@@ -121,10 +128,12 @@ class Gather(Function):
         result = torch.empty((sum(ctx.sizes), *tail), dtype=outs[0].dtype, device=route.home_device)
         offset = 0
         for i, o in enumerate(outs):
+            issue = time.perf_counter()
             result.narrow(0, offset, o.shape[0]).copy_(o)
             offset += o.shape[0]
             if route.ledger is not None:
-                route.ledger.record("gather", "forward", i, route.home, tensor_bytes(o))
+                route.ledger.record_copy("gather", "forward", i, route.home, o, issue_s=issue,
+                                         finished=o.device.type == "cpu" and result.device.type == "cpu")
         return result
 
     @staticmethod
@@ -133,7 +142,7 @@ class Gather(Function):
         route = ctx.route
         grads = []
         for i, g in enumerate(torch.split(grad, ctx.sizes, dim=0)):
-            g = move(g, route.devices[i], src=route.home, dst=i, op="grad_scatter", phase="backward",
+            g = move(g, route.devices[i], src=route.home, dst=i, op="scatter", label="backward",
                      ledger=route.ledger)
             grads.append(g.reshape(()) if ctx.scalar else g)
         return (None, *grads)
@@ -155,7 +164,7 @@ class Broadcast(Function):
         ctx.route, ctx.num = route, len(params)
         outputs: list[torch.Tensor] = []
         for i, device in enumerate(route.devices):
-            outputs.extend(move(p, device, src=route.home, dst=i, op="broadcast", phase="forward",
+            outputs.extend(move(p, device, src=route.home, dst=i, op="broadcast", label="forward",
                                 ledger=route.ledger) for p in params)
         # Copies of frozen parameters must not ask for gradients.
         frozen = [outputs[i * len(params) + k] for i in range(len(route.devices))
@@ -174,8 +183,8 @@ class Broadcast(Function):
                 continue
             total: torch.Tensor | None = None
             for i in range(len(route.devices)):
-                g = move(grads[i * num + k], route.home_device, src=i, dst=route.home, op="reduce_add",
-                         phase="backward", ledger=route.ledger)
+                g = move(grads[i * num + k], route.home_device, src=i, dst=route.home, op="reduce",
+                         label="backward", ledger=route.ledger)
                 total = g if total is None else total + g
             reduced.append(total)
         return (None, *reduced)

@@ -45,19 +45,21 @@ def theory_step_bytes(*, param_bytes: int, batch: int, n: int, input_row_bytes: 
     of the inputs, the targets (scattered with the inputs under a parallel criterion) and
     the module's output. With chunks ``b_0, ..., b_{n-1}`` (the first ``batch % n`` one larger):
 
-    * scatter: ``(batch - b_0) x (input + target row)`` - chunk 0 stays put;
-    * broadcast and reduce_add: ``(n - 1) x param_bytes`` each;
-    * gather: ``batch x output_row`` (all of it lands in a fresh buffer on the output
-      device), or ``n x loss_bytes`` with the parallel criterion;
-    * grad_scatter: the same minus replica 0's share.
+    * forward scatter: ``(batch - b_0) x (input + target row)`` - chunk 0 stays put;
+    * forward broadcast and backward reduce: ``(n - 1) x param_bytes`` each;
+    * forward gather: ``batch x output_row`` (all of it lands in a fresh buffer on the
+      output device), or ``n x loss_bytes`` with the parallel criterion;
+    * backward scatter (of the output gradient): the same minus replica 0's share.
+
+    Keys are ``(label, op)`` as in :meth:`TransferLedger.by_op`.
     """
     b0 = chunk_sizes(batch, n)[0]
     out: dict[tuple[str, str], int] = {
         ("forward", "scatter"): (batch - b0) * (input_row_bytes + (target_row_bytes if parallel_loss else 0)),
         ("forward", "broadcast"): (n - 1) * param_bytes,
         ("forward", "gather"): n * loss_bytes if parallel_loss else batch * output_row_bytes,
-        ("backward", "grad_scatter"): (n - 1) * loss_bytes if parallel_loss else (batch - b0) * output_row_bytes,
-        ("backward", "reduce_add"): (n - 1) * param_bytes,
+        ("backward", "scatter"): (n - 1) * loss_bytes if parallel_loss else (batch - b0) * output_row_bytes,
+        ("backward", "reduce"): (n - 1) * param_bytes,
     }
     return out
 
@@ -67,7 +69,7 @@ def measure_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
                  output_device: torch.device | str | None = None) -> dict[str, Any]:
     """One forward + backward of ``model`` (a GPT) through DataParallel; grads are zeroed first and kept.
 
-    Returns ``loss``, ``bytes`` (``{(phase, op): bytes}`` from the ledger), ``gathered_bytes``
+    Returns ``loss``, ``bytes`` (``{(label, op): bytes}`` from the ledger), ``gathered_bytes``
     (what the output device received from the gather, its own chunk included), and
     ``peak_bytes`` (``{device: max_memory_allocated}`` for each CUDA device, measured from
     a reset just before the step; empty on CPU).
@@ -90,7 +92,7 @@ def measure_step(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
     return {
         "loss": loss.item(),
         "bytes": dp.ledger.by_op(),
-        "gathered_bytes": dp.ledger.total("gather", dst=out_place),
+        "gathered_bytes": dp.ledger.total("gather", "forward", dst=out_place),
         "peak_bytes": {str(d): torch.cuda.max_memory_allocated(d) for d in cuda},
     }
 
@@ -266,7 +268,7 @@ def replicate_cost(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
 
     return {
         "param_bytes": param_bytes,
-        "broadcast_bytes": ledger.total("broadcast"),
+        "broadcast_bytes": ledger.total("broadcast", "forward"),
         "replicate_s": _median_time(lambda: replicate(model, devs), devs, repeats),
         "model_step_s": _median_time(model_step, devs, repeats),
         "dp_step_s": _median_time(dp_step, devs, repeats),

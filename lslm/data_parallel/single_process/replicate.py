@@ -48,7 +48,7 @@ def replicate(module: nn.Module, devices: Sequence[torch.device], *,
     ``backward`` through any replica accumulates the summed gradient into the
     original parameters' ``.grad``. With ``detach=True`` they are plain copies (for
     inference). Buffers are copied without gradient. Copies are recorded in ``ledger``
-    as ``broadcast`` (parameters) and ``buffers``.
+    as ``broadcast`` with label ``forward`` (parameters) or ``buffers``.
 
     Like nn.DataParallel's replicas, these share the original modules' Python
     attributes (``training``, hooks, config); state a replica writes to its own
@@ -66,7 +66,7 @@ def replicate(module: nn.Module, devices: Sequence[torch.device], *,
     n, num = len(devices), len(params)
     if detach or not params:
         with torch.no_grad():
-            flat = [move(p, d, src=0, dst=i, op="broadcast", phase="forward", ledger=ledger).detach()
+            flat = [move(p, d, src=0, dst=i, op="broadcast", label="forward", ledger=ledger).detach()
                     for i, d in enumerate(devices) for p in params]
     else:
         flat = list(Broadcast.apply(route, *params))
@@ -86,6 +86,6 @@ def replicate(module: nn.Module, devices: Sequence[torch.device], *,
             for name, b in m._buffers.items():
                 if b is not None:
                     with torch.no_grad():
-                        r._buffers[name] = move(b, devices[i], src=0, dst=i, op="buffers", phase="forward",
+                        r._buffers[name] = move(b, devices[i], src=0, dst=i, op="broadcast", label="buffers",
                                                 ledger=ledger)
     return [replicas[i][0] for i in range(n)]

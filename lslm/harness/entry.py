@@ -1,0 +1,134 @@
+"""Starting a recipe: one rank under torchrun, several runs in one job, or a launch from a shell or notebook.
+
+A :class:`Recipe` names the module that holds the launch targets (its module-level
+``worker(**cfg)`` and ``compare(runs, **common)`` call :func:`run_rank` and :func:`run_many`),
+the config class, ``build`` and the world-size check. The same recipe then runs
+
+* under torchrun: ``torchrun --nproc-per-node=4 -m lslm.recipes.ddp --steps 30``
+  (:func:`run_or_launch` sees ``RANK`` in the environment and runs this rank);
+* from a shell: ``python -m lslm.recipes.ddp --nproc 4 --steps 30`` (it calls :func:`lslm.launch`);
+* from a notebook: ``recipe.run(4, steps=30)`` (:func:`launch_recipe`).
+
+Settings are checked for the world size before any process starts (``ValueError``; on the
+command line an argparse error).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lslm.harness.config_cli import parse_config
+from lslm.harness.recipe import Built, gather_summaries, summarize, train_loop, write_run_log
+from lslm.runtime.context import ParallelContext
+from lslm.runtime.startup import RankEnv, init_distributed
+
+__all__ = ["Recipe", "launch_recipe", "recipe_main", "run_many", "run_or_launch", "run_rank"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A recipe as the harness sees it (see :mod:`lslm.harness.recipe`).
+
+    ``module`` is the import path whose ``worker`` / ``compare`` functions are the launch
+    targets; ``check(cfg, world_size)`` raises ``ValueError`` for settings that cannot run
+    on ``world_size`` processes.
+    """
+
+    module: str
+    config: type
+    build: Callable[[Any, ParallelContext | None], Built]
+    check: Callable[[Any, int], Any] | None = None
+    description: str = ""
+
+    def validate(self, cfg: Any, world_size: int) -> None:
+        """Raise ``ValueError`` when ``cfg`` cannot run on ``world_size`` processes."""
+        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if self.check is not None:
+            self.check(cfg, world_size)
+
+
+def _device(cfg: Any) -> str | None:
+    return None if cfg.device == "auto" else cfg.device  # "auto": init_distributed chooses (CUDA + NCCL or CPU + gloo)
+
+
+def run_rank(recipe: Recipe, **kwargs: Any) -> dict[str, Any]:
+    """One rank of a launched run: join the process group, build, train, and (rank 0) write ``cfg.out``.
+
+    Returns this rank's record (:func:`~lslm.harness.recipe.train_loop`). With ``out`` set,
+    every rank's :func:`~lslm.harness.recipe.summarize` is gathered and rank 0 writes the run log.
+    """
+    cfg = recipe.config(**kwargs)
+    with init_distributed(device=_device(cfg), seed=cfg.seed) as ctx:
+        result = train_loop(cfg, recipe.build(cfg, ctx), ctx)
+        if cfg.out:
+            ranks = gather_summaries(ctx, summarize(result))
+            if ctx.rank == 0:
+                write_run_log(cfg.out, result, ranks)
+        return result
+
+
+def run_many(recipe: Recipe, runs: Sequence[dict[str, Any]], **common: Any) -> list[dict[str, Any]]:
+    """Several runs one after another in *one* process group (no start-up cost per run).
+
+    Run ``i`` uses ``config(**common, **runs[i])``, each from the same seed; returns this
+    rank's record of each run. The ledger is emptied between runs; ``out`` is ignored.
+    """
+    cfgs = [recipe.config(**{**common, **r, "out": None}) for r in runs]
+    with init_distributed(device=_device(cfgs[0]), seed=cfgs[0].seed) as ctx:
+        records = []
+        for cfg in cfgs:
+            ctx.comm.ledger.reset()
+            records.append(train_loop(cfg, recipe.build(cfg, ctx), ctx))
+        return records
+
+
+def launch_recipe(recipe: Recipe, nproc: int, *, runs: Sequence[dict[str, Any]] | None = None,
+                  timeout: float = 600.0, output: str = "rank0", **kwargs: Any) -> Any:
+    """Check the settings for ``nproc`` ranks, then :func:`lslm.launch` the recipe.
+
+    Without ``runs``: ``worker`` with ``config(**kwargs)``; the result is one record per rank.
+    With ``runs``: ``compare``, and ``result[rank][i]`` is run ``i``'s record.
+    """
+    from lslm.runtime.launch import launch
+
+    for extra in runs or [{}]:
+        recipe.validate(recipe.config(**{**kwargs, **extra}), nproc)
+    if runs is not None:
+        return launch(f"{recipe.module}:compare", nproc=nproc, timeout=timeout, output=output, runs=list(runs),
+                      **kwargs)
+    return launch(f"{recipe.module}:worker", nproc=nproc, timeout=timeout, output=output,
+                  **asdict(recipe.config(**kwargs)))
+
+
+def run_or_launch(recipe: Recipe, cfg: Any, nproc: int, **launch_kwargs: Any) -> list[dict[str, Any]]:
+    """Under torchrun (``RANK`` set): run this rank and return ``[its record]``; otherwise launch ``nproc`` ranks.
+
+    The settings are checked for the world size first either way.
+    """
+    env = RankEnv.from_environ()
+    recipe.validate(cfg, env.world_size if env is not None else nproc)
+    if env is not None:
+        return [run_rank(recipe, **asdict(cfg))]
+    return list(launch_recipe(recipe, nproc, **launch_kwargs, **asdict(cfg)))
+
+
+def recipe_main(recipe: Recipe, argv: Sequence[str] | None = None) -> tuple[Any, list[dict[str, Any]]]:
+    """The command line of a recipe: flags from its config plus ``--nproc``; returns ``(cfg, records)``.
+
+    Bad settings (for the config or for the world size) exit with an argparse error
+    before any process starts.
+    """
+    parser = argparse.ArgumentParser(prog=f"python -m {recipe.module}", description=recipe.description)
+    parser.add_argument("--nproc", type=int, default=2,
+                        help="processes to launch when not started by torchrun (default: 2)")
+    cfg, extra = parse_config(recipe.config, argv, parser=parser)
+    env = RankEnv.from_environ()
+    try:
+        recipe.validate(cfg, env.world_size if env is not None else extra["nproc"])
+    except ValueError as exc:
+        parser.error(str(exc))
+    return cfg, run_or_launch(recipe, cfg, extra["nproc"])
