@@ -29,16 +29,11 @@ from tests.helpers import REPO_ROOT, fake_world
 FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "rand", "randn", "randint",
              "randperm", "linspace", "logspace", "eye", "empty_strided"}
 MARKER = "# lslm: cpu-ok ("
-# Communication modules: the runtime, the collectives, data parallelism, and each later
-# chapter's package once it exists.
-COMM_DIRS = ["lslm/runtime", "lslm/collectives", "lslm/data_parallel/ddp", "lslm/tensor_parallel",
-             "lslm/sequence_parallel", "lslm/context_parallel", "lslm/pipeline_parallel", "lslm/zero", "lslm/fsdp",
-             "lslm/expert_parallel"]
-
-
-# Packages that also communicate, owned by other parts of the course; their findings are listed by
-# the xfail test below until they are fixed, then the folder moves into COMM_DIRS.
-PENDING_DIRS = ["lslm/bench", "lslm/harness", "lslm/recipes", "lslm/demos", "lslm/exercises"]
+# Modules that communicate through torch.distributed: the runtime, the collectives, DDP, the harness,
+# recipes, benches, demos and exercises, and each later chapter's package once it exists.
+COMM_DIRS = ["lslm/runtime", "lslm/collectives", "lslm/data_parallel/ddp", "lslm/harness", "lslm/recipes",
+             "lslm/bench", "lslm/demos", "lslm/exercises", "lslm/tensor_parallel", "lslm/sequence_parallel",
+             "lslm/context_parallel", "lslm/pipeline_parallel", "lslm/zero", "lslm/fsdp", "lslm/expert_parallel"]
 
 
 def factory_calls_without_device(path: Path) -> list[str]:
@@ -84,13 +79,6 @@ def test_communication_modules_name_the_device_of_every_tensor_they_create() -> 
     found = [f for p in files for f in factory_calls_without_device(p)]
     assert not found, ("tensors created without device= (NCCL needs them on the data's device; if the CPU is "
                        "right, say why with '# lslm: cpu-ok (reason)'):\n" + "\n".join(found))
-
-
-@pytest.mark.xfail(reason="bench/harness/recipes/demos/exercises still create some communicated tensors on the "
-                          "CPU; move each folder into COMM_DIRS once it is clean", strict=False)
-def test_other_communicating_packages_name_the_device_too() -> None:
-    found = [f for p in comm_files(PENDING_DIRS) for f in factory_calls_without_device(p)]
-    assert not found, "\n".join(found)
 
 
 # -- what the collectives actually post ------------------------------------------------

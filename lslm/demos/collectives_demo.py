@@ -28,7 +28,8 @@ def compare_with_torch(numel: int = 1000, root: int = 0) -> dict[str, Any]:
     with init_distributed() as ctx:
         n, r, comm = ctx.world_size, ctx.rank, ctx.comm
         gen = torch.Generator().manual_seed(r)  # on the host: the same draws on any device
-        x = torch.randint(-8, 8, (numel,), generator=gen).float().to(ctx.device)  # small integers: sums are exact
+        # small integers: every sum is exact
+        x = torch.randint(-8, 8, (numel,), generator=gen).float().to(ctx.device)  # lslm: cpu-ok (host RNG, moved)
         rows = []
         for name, algo in C.ALGORITHMS.items():
             comm.ledger.reset()

@@ -123,7 +123,8 @@ def run_variants(variants: Sequence[Variant], *, steps: int, warmup: int = 1,
         raise ValueError(f"critical phase {critical!r} is not among the phases {list(phases)}")
     gather = gather or (lambda t: gather_ranks(t, device))
     timer = StepTimer(device, mode=timer_mode, clock=clock)
-    local = torch.zeros(len(variants), steps, 1 + len(phases), dtype=torch.float64)
+    # Host-side timing table; gather_ranks moves it to the bench device before communicating.
+    local = torch.zeros(len(variants), steps, 1 + len(phases), dtype=torch.float64)  # lslm: cpu-ok (host timings)
     extra: list[list[Any]] = [[] for _ in variants]
     for rnd in range(warmup + steps):
         for v, variant in enumerate(variants):
@@ -134,7 +135,7 @@ def run_variants(variants: Sequence[Variant], *, steps: int, warmup: int = 1,
             if rnd < warmup:
                 continue
             row = [marks.total] + [marks.span(a, b) for a, b in phases.values()]
-            local[v, rnd - warmup] = torch.tensor(row, dtype=torch.float64)
+            local[v, rnd - warmup] = torch.tensor(row, dtype=torch.float64)  # lslm: cpu-ok (host timings)
             if variant.after is not None:
                 extra[v].append(variant.after(rnd))
         if after_round is not None:
