@@ -110,6 +110,14 @@ def test_two_process_ddp_reproduces_the_serial_run(variant: str, every_variant: 
             assert r["comm_bytes"] == [r["grad_bytes"]] * STEPS == [4 * r["num_parameters"]] * STEPS
     if variant in ("fused", "bucketed"):
         assert len(res[0]["buckets"]) > 1 and res[0]["comm_calls"] == [len(res[0]["buckets"])] * STEPS
+    for r in res:
+        # Memory by owner: the wrapper's bucket buffers are visible (bucketed keeps exactly one Ψ of them).
+        comm_buffers = r["memory"]["by_owner"]["resident"].get("comm_buffers", {})
+        assert r["memory"]["by_owner"]["resident"]["parameters"] == {"cpu": 4 * r["num_parameters"]}
+        if variant == "bucketed":
+            assert comm_buffers == {"cpu": r["grad_bytes"]}
+        elif variant in ("naive", "torch"):
+            assert sum(comm_buffers.values()) == 0
 
 
 def test_four_processes_with_gradient_accumulation() -> None:

@@ -58,7 +58,9 @@ class Built:
     * ``count``: ``(op, label)`` of the ledger records summed per step into ``comm_bytes`` and
       ``comm_calls`` (``None``: not counted);
     * ``log(record)``: extra text for rank 0's log line, from this step's figures;
-    * ``info``: fixed fields added to the run record (e.g. ``grad_bytes``).
+    * ``info``: fixed fields added to the run record (e.g. ``grad_bytes``);
+    * ``owners``: wrappers that keep their own tensors (DDP buckets, ZeRO shards), reported
+      through their ``memory_owners()`` in the memory breakdown by owner and device.
     """
 
     model: nn.Module
@@ -71,6 +73,7 @@ class Built:
     count: tuple[str | None, str | None] | None = None
     log: Callable[[dict[str, Any]], str] | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    owners: tuple[Any, ...] = ()
     name: str = "train"
 
 
@@ -122,7 +125,7 @@ def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None) -> di
         "losses": _global_losses(rec["local_losses"], ctx),
         **rec,
         "num_parameters": sum(p.numel() for p in built.model.parameters()),
-        "memory": memory_report(built.device, built.model, built.optimizer).to_dict(),
+        "memory": memory_report(built.device, built.model, built.optimizer, owners=built.owners).to_dict(),
         "threads": torch.get_num_threads(),
         "config": asdict(cfg),
         "device": str(built.device),

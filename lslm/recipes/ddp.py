@@ -214,7 +214,7 @@ def build(cfg: DDPConfig, ctx: ParallelContext) -> Built:
             "tokens_per_step": cfg.batch_size * cfg.block_size}
     return Built(model=ddp.module, optimizer=optimizer, step=step, batches=_blocks(loader, sampler, ctx.device),
                  device=ctx.device, before_step=before_step, per_step=per_step, count=("all_reduce", GRAD_LABEL),
-                 log=log, info=info, name=f"ddp-{cfg.variant}")
+                 log=log, info=info, name=f"ddp-{cfg.variant}", owners=(ddp,))
 
 
 RECIPE = Recipe("lslm.recipes.ddp", DDPConfig, build, check_config,
