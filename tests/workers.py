@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from typing import Any
 
 import torch
@@ -55,3 +58,20 @@ def ledger_volumes(numel: int = 1000) -> dict[str, Any]:
             comm.send(send_buf, nxt)
         ok["send_recv"] = bool(torch.all(recv_buf == prv))
         return {"ok": ok, "summary": ctx.comm.ledger.summary(), "records": ctx.comm.ledger.to_list()}
+
+
+def kill_rank(rank: int = 1, sig: int = int(signal.SIGKILL)) -> None:
+    """Rank ``rank`` sends itself ``sig`` (as the out-of-memory killer would) while its peers wait in a
+    barrier; the peers then fail with "connection closed by peer", a consequence, not the cause."""
+    with init_distributed() as ctx:
+        if ctx.rank == rank:
+            print("about to die", flush=True)
+            time.sleep(0.2)  # let the peers reach the barrier
+            os.kill(os.getpid(), sig)
+            time.sleep(60)  # a signal that does not kill: the launcher's timeout ends it
+        ctx.barrier()
+
+
+def needs_steps(steps: int, lr: float = 0.1) -> int:
+    """A worker with a required argument (only its signature matters: the launch is refused before starting)."""
+    return steps

@@ -51,6 +51,8 @@ class Verdict:
 def materialise(fn: Callable[..., Any], directory: Path | None = None) -> tuple[Path, str]:
     """Write ``fn``'s source (with :data:`HEADER`) to ``directory/<module>.py``; return (directory, module).
 
+    Without ``directory``, a new temporary folder is made: the caller removes it.
+
     Raises ``ValueError`` if the source cannot be read (e.g. a lambda typed at a prompt).
     """
     if not callable(fn) or not hasattr(fn, "__name__"):
@@ -84,23 +86,26 @@ def run_check(fn: Callable[..., Any], checker: str, world_sizes: Iterable[int], 
     """
     from lslm.runtime.launch import LaunchError, launch
 
-    directory, module = materialise(fn)
-    checked = []
-    for world in world_sizes:
-        try:
-            results = launch(checker, nproc=world, timeout=timeout, output="none", pythonpath=[str(directory)],
-                             env={"LSLM_BACKEND": "gloo", "LSLM_DEVICE": "cpu"}, module=module, name=fn.__name__,
-                             **checker_args)
-        except LaunchError as exc:
-            last = (exc.traceback or exc.output).strip().splitlines()
-            return Verdict(False, f"your function raised on rank {exc.rank} with {world} processes: "
-                                  f"{last[-1] if last else 'no output'}",
-                           hint="run it by hand in a cell with small inputs first", details={"world_size": world})
-        verdict = results[0]
-        if not verdict["passed"]:
-            return Verdict(False, f"with {world} processes: {verdict['message']}", verdict.get("hint", ""),
-                           {"world_size": world, **verdict.get("details", {})})
-        checked.append(world)
+    # The learner's module lives in a temporary folder that goes away on every exit path
+    # (a verdict, a crash, an interrupt): repeated checks leave nothing behind.
+    with tempfile.TemporaryDirectory(prefix="lslm-exercise-") as tmp:
+        directory, module = materialise(fn, Path(tmp))
+        checked = []
+        for world in world_sizes:
+            try:
+                results = launch(checker, nproc=world, timeout=timeout, output="none", pythonpath=[str(directory)],
+                                 env={"LSLM_BACKEND": "gloo", "LSLM_DEVICE": "cpu"}, module=module,
+                                 name=fn.__name__, **checker_args)
+            except LaunchError as exc:
+                last = (exc.traceback or exc.output).strip().splitlines()
+                return Verdict(False, f"your function raised on rank {exc.rank} with {world} processes: "
+                                      f"{last[-1] if last else 'no output'}",
+                               hint="run it by hand in a cell with small inputs first", details={"world_size": world})
+            verdict = results[0]
+            if not verdict["passed"]:
+                return Verdict(False, f"with {world} processes: {verdict['message']}", verdict.get("hint", ""),
+                               {"world_size": world, **verdict.get("details", {})})
+            checked.append(world)
     return Verdict(True, f"matches the reference on {', '.join(map(str, checked))} processes")
 
 

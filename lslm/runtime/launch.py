@@ -4,20 +4,37 @@
 ``mp.spawn`` cannot start a function defined in a cell. :func:`launch` runs
 ``python -m torch.distributed.run`` as a subprocess on a free port, streams each
 rank's output (prefixed ``[rank r]``), enforces a timeout, and returns what every
-rank's worker function returned. When any rank raises, the whole process tree is
-killed and :class:`LaunchError` carries that rank's traceback.
+rank's worker function returned.
+
+**When something goes wrong**, every process of the job is stopped (SIGTERM, then
+SIGKILL after 2 s) and nothing is left behind: not a process, not a temporary
+folder (torchrun's logs go inside the launch's own folder, removed on every exit).
+
+* *A rank fails.* :class:`LaunchError` names the rank that failed **first** for a
+  reason of its own, by time (each rank records when it failed), with its
+  traceback. Its peers' errors ("connection closed by peer": they lost it) follow
+  as consequences, one line each. A rank that dies without a word (SIGKILL from the
+  out-of-memory killer, a segfault) is named with its signal, from torchrun's exit
+  codes, and with Python's crash dump when there is one. torchrun's own shutdown
+  noise is left out of the message; ``err.output`` keeps the full output.
+* *The job runs past ``timeout``.* :class:`LaunchTimeout`, everything killed.
+* *Interrupt* (Ctrl-C, the notebook's stop button). Every rank is stopped within
+  seconds and ``KeyboardInterrupt`` propagates. ``lslm launch`` in a shell does the
+  same on SIGTERM and SIGHUP (what ``timeout``, SLURM and a closed terminal send).
+* *The launching Python dies* without any clean-up (a kernel restarted or
+  SIGKILLed). The kernel sends each torchrun agent SIGTERM (a parent-death signal),
+  the agent stops its workers, and each worker is tied to its agent the same way:
+  nothing survives its parent by more than a moment (see ``process_tree``).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import contextlib
 import json
 import os
 import queue
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,36 +42,29 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from lslm.runtime.launch_checks import timeout_seconds, validate
+from lslm.runtime.launch_errors import (
+    LaunchError,
+    LaunchTimeout,
+    RankFailure,
+    apply_exit_codes,
+    build_error,
+    death_summary,
+    is_peer_lost,
+)
+from lslm.runtime.process_tree import deferred_signals, is_alive, kill_tree
 from lslm.runtime.startup import free_port
 
-_RANK_LINE = re.compile(r"^\[rank (\d+)\] ")
+__all__ = ["LaunchError", "LaunchResults", "LaunchTimeout", "launch", "torchrun_command", "validate"]
+
 _PORT_IN_USE = re.compile(r"address already in use|EADDRINUSE|errno 98", re.IGNORECASE)
-
-
-class LaunchError(RuntimeError):
-    """A launched job failed. ``rank`` is the first failing rank (None if unknown),
-    ``traceback`` its Python traceback, ``output`` the last lines of the job's output."""
-
-    def __init__(self, message: str, rank: int | None = None, traceback: str = "", output: str = "") -> None:
-        self.rank = rank
-        self.traceback = traceback
-        self.output = output
-        text = message
-        if traceback:
-            text += f"\n\n--- traceback of rank {rank} ---\n{traceback.rstrip()}"
-        elif output:
-            text += f"\n\n--- last output ---\n{output.rstrip()}"
-        super().__init__(text)
-
-
-class LaunchTimeout(LaunchError):
-    """The job ran past its ``timeout`` and was killed."""
+_RANK_FILE = re.compile(r"^rank(\d+)\.(started\.json|json|error\.json)$")
+FAILURE_GRACE_S = 3.0  # after a first failure: how long torchrun may take to stop the job itself (and say why)
 
 
 class LaunchResults(list):
@@ -65,86 +75,18 @@ class LaunchResults(list):
     command: list[list[str]]
 
 
-@dataclass(frozen=True)
-class _Plan:
-    target: str
-    nproc: int
-    nnodes: int
-    world_size: int
-
-
-def _target_string(target: str | Callable[..., Any]) -> str:
-    if callable(target):
-        module = getattr(target, "__module__", None)
-        name = getattr(target, "__qualname__", "")
-        if module in (None, "__main__") or "<locals>" in name or "<lambda>" in name:
-            raise ValueError(
-                f"{target!r} is defined in a notebook cell or __main__; launched processes cannot import it. "
-                "Put the worker in a module (lslm.recipes has many) and pass 'package.module:function', "
-                "or use lslm.exercises to run a cell-defined function.")
-        return f"{module}:{name}"
-    if not isinstance(target, str) or not target:
-        raise ValueError(f"target must be 'package.module:function' or a module-level function, got {target!r}")
-    return target
-
-
-def _check_target(target: str, extra_path: Iterable[str]) -> None:
-    module_name, _, attr = target.partition(":")
-    added = [p for p in extra_path if p not in sys.path]
-    sys.path[:0] = added
-    try:
-        try:
-            spec = importlib.util.find_spec(module_name)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None:
-            raise ValueError(f"unknown target {target!r}: no module named {module_name!r} can be imported")
-        module = importlib.import_module(module_name)
-        fn = getattr(module, attr or "worker", None)
-        if not callable(fn):
-            raise ValueError(f"unknown target {target!r}: {module_name!r} has no function {attr or 'worker'!r}")
-    finally:
-        for p in added:
-            sys.path.remove(p)
-
-
-def validate(target: str | Callable[..., Any], nproc: int, nnodes: int = 1, timeout: float = 300.0,
-             args: dict[str, Any] | None = None, pythonpath: Iterable[str] = ()) -> str:
-    """Check a launch request before any process starts; return the target as a string.
-
-    Raises ``ValueError`` for ``nproc < 1``, ``nnodes < 1``, a non-positive timeout, an
-    unknown target, or worker arguments that are not JSON-serialisable.
-    """
-    for name, value in (("nproc", nproc), ("nnodes", nnodes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if not timeout or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    tgt = _target_string(target)
-    _check_target(tgt, pythonpath)
-    grid_sizes = {k: (args or {}).get(k) for k in ("tp", "pp", "dp") if (args or {}).get(k) is not None}
-    if grid_sizes:
-        # Workers take the grid sizes as tp/pp/dp by convention: reject a grid that
-        # cannot tile the world now, not after N processes have started.
-        from lslm.runtime.grid import resolve_sizes
-
-        resolve_sizes(nproc * nnodes, **grid_sizes)
-    try:
-        json.dumps(args or {})
-    except TypeError as exc:
-        raise ValueError(f"worker arguments must be JSON-serialisable (numbers, strings, lists, dicts): {exc}") from exc
-    return tgt
-
-
 def torchrun_command(nproc: int, nnodes: int = 1, node_rank: int = 0, port: int | None = None,
-                     rdzv_id: str = "lslm", host: str = "127.0.0.1") -> list[str]:
+                     rdzv_id: str = "lslm", host: str = "127.0.0.1", log_dir: str | None = None) -> list[str]:
     """The ``torchrun`` arguments lslm uses (printable, e.g. to copy onto a real cluster).
 
     One node: a static rendezvous on ``host:port``. Several nodes: the c10d
-    rendezvous, where ranks are assigned in order of arrival.
+    rendezvous, where ranks are assigned in order of arrival. ``log_dir``: where
+    torchrun keeps its per-run log folders (default: a new ``/tmp/torchelastic_*``).
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--max-restarts=0",
            "--monitor-interval=0.1"]
+    if log_dir is not None:
+        cmd.append(f"--log-dir={log_dir}")
     if nnodes == 1:
         cmd += ["--nnodes=1", "--node-rank=0", f"--master-addr={host}", f"--master-port={port or 29500}"]
     else:
@@ -153,43 +95,7 @@ def torchrun_command(nproc: int, nnodes: int = 1, node_rank: int = 0, port: int 
     return cmd
 
 
-def _kill_tree(procs: list[subprocess.Popen[str]], grace_s: float = 2.0) -> None:
-    """Terminate every process we started and all their descendants (workers run in their own sessions)."""
-    victims: list[psutil.Process] = []
-    for p in procs:
-        try:
-            root = psutil.Process(p.pid)
-            victims += root.children(recursive=True)
-            victims.append(root)
-        except psutil.NoSuchProcess:
-            continue
-    for v in victims:
-        try:
-            v.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(victims, timeout=grace_s)
-    for v in alive:
-        try:
-            v.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace_s)
-    for p in procs:
-        try:
-            p.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:  # pragma: no cover - killed above
-            pass
-
-
-def _reader(proc: subprocess.Popen[str], q: queue.Queue[str | None]) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        q.put(line.rstrip("\n"))
-    q.put(None)
-
-
-def launch(target: str | Callable[..., Any], nproc: int = 2, *, nnodes: int = 1, timeout: float = 300.0,
+def launch(target: str | Callable[..., Any], nproc: int = 2, *, nnodes: int = 1, timeout: float | None = 300.0,
            output: str = "all", env: dict[str, str] | None = None, pythonpath: Iterable[str] = (),
            **args: Any) -> LaunchResults:
     """Run ``target`` on ``nproc`` processes (per node) with torchrun; return each rank's result.
@@ -199,23 +105,31 @@ def launch(target: str | Callable[..., Any], nproc: int = 2, *, nnodes: int = 1,
     becomes ``results[rank]``. ``output`` is ``"all"`` (every rank's lines, prefixed
     ``[rank r]``), ``"rank0"`` or ``"none"``. ``nnodes > 1`` starts that many torchrun
     agents on this machine with a c10d rendezvous, exactly as on a real cluster.
-    ``env`` adds environment variables; ``pythonpath`` adds import paths.
+    ``timeout`` is in seconds (``None``: no limit). ``env`` adds environment variables;
+    ``pythonpath`` adds import paths.
 
-    Raises ``ValueError`` for bad input before starting anything, :class:`LaunchError`
-    as soon as any rank fails (with its traceback, all processes killed), and
-    :class:`LaunchTimeout` after ``timeout`` seconds.
+    Raises ``ValueError`` for bad input before starting anything (see
+    :func:`~lslm.runtime.launch_checks.validate`), :class:`LaunchError` as soon as any
+    rank fails, :class:`LaunchTimeout` after ``timeout`` seconds, and re-raises
+    ``KeyboardInterrupt``; in every case all processes are stopped first (module doc).
     """
     if output not in ("all", "rank0", "none"):
         raise ValueError(f"output must be 'all', 'rank0' or 'none', got {output!r}")
+    env = dict(env or {})
+    bad_env = {k: v for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)}
+    if bad_env:
+        raise ValueError(f"env must map names to strings, got {bad_env!r}")
     pythonpath = [str(p) for p in pythonpath]
-    tgt = validate(target, nproc, nnodes, timeout, args, pythonpath)
-    plan = _Plan(target=tgt, nproc=nproc, nnodes=nnodes, world_size=nproc * nnodes)
+    tgt = validate(target, nproc, nnodes, timeout, args, pythonpath, env={**os.environ, **env})
     last_error: LaunchError | None = None
     for _attempt in range(3):
         try:
-            return _run(plan, timeout, output, env or {}, pythonpath, args)
+            return _run(tgt, int(nproc), int(nnodes), timeout_seconds(timeout), output, env, pythonpath, args)
         except _PortTaken as exc:
             last_error = exc  # another job took the port between our probe and torchrun's bind
+        except KeyboardInterrupt:
+            print("lslm.launch: interrupted; every rank of the job was stopped", file=sys.stderr, flush=True)
+            raise
     assert last_error is not None
     raise last_error
 
@@ -224,89 +138,144 @@ class _PortTaken(LaunchError):
     pass
 
 
-def _run(plan: _Plan, timeout: float, output: str, extra_env: dict[str, str], pythonpath: list[str],
-         args: dict[str, Any]) -> LaunchResults:
-    result_dir = Path(tempfile.mkdtemp(prefix="lslm-launch-"))
-    args_file = result_dir / "args.json"
-    args_file.write_text(json.dumps(args))
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra_env}
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, plan.nproc))))
-    env.setdefault("LOGLEVEL", "ERROR")  # torchrun's agent is chatty at WARNING
-    # The launching directory first, as `python -m` would see it, then any extra paths.
-    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
-    worker = ["-m", "lslm.runtime.worker", "--target", plan.target, "--args-file", str(args_file),
-              "--result-dir", str(result_dir)]
-    rdzv_id = uuid.uuid4().hex[:12]
-    commands = [torchrun_command(plan.nproc, plan.nnodes, node, port, rdzv_id) + worker for node in range(plan.nnodes)]
+class _Ranks:
+    """What the launcher knows of each rank, from the files its worker writes and from its process."""
 
-    lines: list[str] = []
-    q: queue.Queue[str | None] = queue.Queue()
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.procs: dict[int, psutil.Process | None] = {}  # rank -> its worker (None: already gone)
+        self.pids: dict[int, int] = {}
+        self.finished: set[int] = set()
+        self.failures: dict[int, RankFailure] = {}
+
+    def scan(self) -> None:
+        """Read the new started / result / error files."""
+        for entry in os.scandir(self.folder):
+            m = _RANK_FILE.match(entry.name)
+            if not m:
+                continue
+            rank, kind = int(m.group(1)), m.group(2)
+            if kind == "json":
+                self.finished.add(rank)
+            elif kind == "started.json" and rank not in self.pids:
+                self.pids[rank] = json.loads(Path(entry.path).read_text())["pid"]
+                try:
+                    self.procs[rank] = psutil.Process(self.pids[rank])
+                except psutil.Error:
+                    self.procs[rank] = None
+            elif kind == "error.json" and not (rank in self.failures and self.failures[rank].raised):
+                rec = json.loads(Path(entry.path).read_text())
+                self.failures[rank] = RankFailure(rank, rec["time"], rec["chain"][-1], traceback=rec["traceback"],
+                                                  pid=rec["pid"], secondary=is_peer_lost(rec["chain"]), raised=True)
+
+    def notice_deaths(self) -> None:
+        """Record every rank whose process ended without writing a result or an error (killed, crashed)."""
+        for rank, proc in self.procs.items():
+            if rank in self.finished or rank in self.failures or (proc is not None and is_alive(proc)):
+                continue
+            # It may have written its file between our scan and its exit: only then is it silent.
+            if any((self.folder / f"rank{rank}.{k}").exists() for k in ("json", "error.json")):
+                continue
+            dump = self.folder / f"rank{rank}.fault.txt"
+            crash = dump.read_text().strip() if dump.exists() else ""
+            self.failures[rank] = RankFailure(rank, time.time(), death_summary(None), traceback=crash,
+                                              pid=self.pids[rank])
+
+
+def _run(target: str, nproc: int, nnodes: int, timeout: float, output: str, extra_env: dict[str, str],
+         pythonpath: list[str], args: dict[str, Any]) -> LaunchResults:
+    folder = Path(tempfile.mkdtemp(prefix="lslm-launch-"))
+    world_size = nproc * nnodes
     procs: list[subprocess.Popen[str]] = []
-    start = time.perf_counter()
+    ranks = _Ranks(folder)
+    lines: list[str] = []
     try:
-        for cmd in commands:
-            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 text=True, bufsize=1, env=env, start_new_session=True)
-            procs.append(p)
-            threading.Thread(target=_reader, args=(p, q), daemon=True).start()
-        open_streams = len(procs)
+        (folder / "args.json").write_text(json.dumps(args))
+        port = free_port()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra_env}
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        env.setdefault("LOGLEVEL", "ERROR")  # torchrun's agent is chatty at WARNING
+        # The launching directory first, as `python -m` would see it, then any extra paths.
+        env["PYTHONPATH"] = os.pathsep.join([*pythonpath, os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
+        worker = ["-m", "lslm.runtime.worker", "--target", target, "--args-file", str(folder / "args.json"),
+                  "--result-dir", str(folder)]
+        # Each agent is torchrun run by lslm.runtime.agent, which dies with this process.
+        agent = [sys.executable, "-m", "lslm.runtime.agent", "--parent", str(os.getpid()), "--launch-dir",
+                 str(folder), "--"]
+        rdzv_id = uuid.uuid4().hex[:12]
+        commands = [agent + torchrun_command(nproc, nnodes, node, port, rdzv_id, log_dir=str(folder / "torchrun"))[3:]
+                    + worker for node in range(nnodes)]
+        q: queue.Queue[str | None] = queue.Queue()
+        start = time.perf_counter()
+        with deferred_signals():  # a Ctrl-C right now must not leave a started agent untracked
+            for cmd in commands:
+                p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, text=True, bufsize=1, env=env, start_new_session=True)
+                procs.append(p)
+                threading.Thread(target=_reader, args=(p, q), daemon=True).start()
+        open_streams, failed_at, timed_out = len(procs), None, False
         while True:
             # Print from this thread: in Jupyter, output from other threads can land in the wrong cell.
             open_streams -= _drain(q, lines, output)
-            failed = sorted(result_dir.glob("rank*.error.txt"))
-            if failed:
-                rank = int(re.findall(r"\d+", failed[0].name)[0])
-                time.sleep(0.2)  # let the other ranks' last words arrive before we kill them
-                _kill_tree(procs)
-                _drain(q, lines, output)
-                raise LaunchError(f"rank {rank} of {plan.world_size} failed running {plan.target}", rank=rank,
-                                  traceback=failed[0].read_text(), output="\n".join(lines[-40:]))
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                while open_streams > 0:
-                    try:
-                        item = q.get(timeout=2.0)
-                    except queue.Empty:
-                        break
-                    if item is None:
-                        open_streams -= 1
-                    else:
-                        _emit(item, lines, output)
+            ranks.scan()
+            ranks.notice_deaths()
+            if ranks.failures and failed_at is None:
+                failed_at = time.perf_counter()
+            if all(p.poll() is not None for p in procs):
                 break
-            if time.perf_counter() - start > timeout:
-                _kill_tree(procs)
-                _drain(q, lines, output)
-                raise LaunchTimeout(f"{plan.target} on {plan.world_size} processes did not finish within "
-                                    f"{timeout:g} s; all its processes were killed", output="\n".join(lines[-40:]))
+            now = time.perf_counter()
+            if failed_at is not None and now - failed_at > FAILURE_GRACE_S:
+                break  # torchrun did not stop the job by itself in time: we will
+            if now - start > timeout:
+                timed_out = True
+                break
             time.sleep(0.02)
         wall = time.perf_counter() - start
-        failed = sorted(result_dir.glob("rank*.error.txt"))
-        if failed:
-            rank = int(re.findall(r"\d+", failed[0].name)[0])
-            raise LaunchError(f"rank {rank} of {plan.world_size} failed running {plan.target}", rank=rank,
-                              traceback=failed[0].read_text(), output="\n".join(lines[-40:]))
+        _stop(procs, ranks)
+        _finish_reading(q, lines, output, open_streams)
+        if not timed_out:
+            ranks.scan()  # errors written while torchrun stopped the job (after a timeout, our kill caused them)
+        codes = [p.poll() for p in procs]
+        if timed_out and not ranks.failures:  # what the kill itself caused is no failure of the job
+            raise LaunchTimeout(f"{target} on {world_size} processes did not finish within {timeout:g} s; "
+                                "all its processes were killed", output="\n".join(lines))
+        apply_exit_codes(ranks.failures, ranks.pids, "\n".join(lines), time.time())
+        if ranks.failures:
+            raise build_error(ranks.failures, world_size, target, lines)
         if any(c != 0 for c in codes):
-            tail = "\n".join(lines[-40:])
-            if _PORT_IN_USE.search(tail) and not list(result_dir.glob("rank*.json")):
-                raise _PortTaken(f"port {port} was taken", output=tail)
-            raise LaunchError(f"torchrun exited with codes {codes} running {plan.target} "
-                              f"(a rank died without a Python traceback: killed, out of memory, or a rendezvous error)",
-                              output=tail)
-        results = LaunchResults()
-        for r in range(plan.world_size):
-            path = result_dir / f"rank{r}.json"
-            if not path.exists():
-                raise LaunchError(f"rank {r} exited cleanly but wrote no result", output="\n".join(lines[-40:]))
-            results.append(json.loads(path.read_text()))
-        results.wall_s = wall
-        results.output = lines
-        results.command = commands
+            text = "\n".join(lines)
+            if _PORT_IN_USE.search(text) and not ranks.pids:
+                raise _PortTaken(f"port {port} was taken", output=text)
+            raise LaunchError(f"torchrun exited with codes {codes} running {target} "
+                              "(a rendezvous or start-up error: see the output below)", output=text)
+        missing = [r for r in range(world_size) if r not in ranks.finished]
+        if missing:
+            raise LaunchError(f"ranks {missing} exited cleanly but wrote no result", output="\n".join(lines))
+        results = LaunchResults(json.loads((folder / f"rank{r}.json").read_text()) for r in range(world_size))
+        results.wall_s, results.output, results.command = wall, lines, commands
         return results
     finally:
-        if any(p.poll() is None for p in procs):
-            _kill_tree(procs)  # KeyboardInterrupt in a notebook, or any error above
-        shutil.rmtree(result_dir, ignore_errors=True)
+        _stop(procs, ranks)  # KeyboardInterrupt in a notebook, or any error above
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _stop(procs: list[subprocess.Popen[str]], ranks: _Ranks) -> None:
+    """Kill what is left of the job (agents, their workers, and workers whose agent is gone), then reap."""
+    workers = [p for p in ranks.procs.values() if p is not None]
+    if not any(p.poll() is None for p in procs) and not any(is_alive(w) for w in workers):
+        return
+    with deferred_signals():  # a second Ctrl-C must not cut the clean-up short
+        kill_tree([p.pid for p in procs if p.poll() is None], extra=workers)
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=2.0)
+
+
+def _reader(proc: subprocess.Popen[str], q: queue.Queue[str | None]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        q.put(line.rstrip("\n"))
+    q.put(None)
 
 
 def _emit(line: str, lines: list[str], output: str) -> None:
@@ -327,3 +296,18 @@ def _drain(q: queue.Queue[str | None], lines: list[str], output: str) -> int:
             ended += 1
         else:
             _emit(item, lines, output)
+
+
+def _finish_reading(q: queue.Queue[str | None], lines: list[str], output: str, open_streams: int) -> None:
+    """Print the last lines of a finished job (its pipes close once every process has exited)."""
+    deadline = time.perf_counter() + 2.0
+    while open_streams > 0 and time.perf_counter() < deadline:
+        try:
+            item = q.get(timeout=max(0.0, deadline - time.perf_counter()))
+        except queue.Empty:
+            break
+        if item is None:
+            open_streams -= 1
+        else:
+            _emit(item, lines, output)
+

@@ -2,18 +2,29 @@
 
 ``python -m lslm.runtime.worker --target pkg.module:function --args-file A --result-dir D``
 imports the target, calls it with the JSON arguments, and writes what it returns
-to ``D/rank<r>.json``. If it raises, the traceback goes to ``D/rank<r>.error.txt``
-first, so the launcher can kill the job and show the right traceback at once.
-Every line the rank prints is prefixed ``[rank r]``.
+to ``D/rank<r>.json``. What the launcher reads from ``D`` to tell what happened:
+
+* ``rank<r>.started.json``: pid and start time, written first, so the launcher can
+  notice a rank that dies without a word (SIGKILL, the out-of-memory killer, a crash).
+* ``rank<r>.error.json``: if the function raises, the traceback, the message of every
+  exception in the chain, and the time it failed, so the launcher can tell the
+  rank that failed *first* from the ones that only lost their connection to it.
+* ``rank<r>.fault.txt``: Python's :mod:`faulthandler` dump if the process crashes
+  on a fatal signal (SIGSEGV, SIGABRT, ...).
+
+Every line the rank prints is prefixed ``[rank r]``. The worker dies with its
+torchrun agent (a parent-death signal), so it never outlives the job.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import io
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -21,6 +32,9 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
+
+from lslm.runtime.agent import AGENT_PID_ENV
+from lslm.runtime.process_tree import die_with_parent
 
 RESULT_DIR_ENV = "LSLM_RESULT_DIR"
 
@@ -79,18 +93,29 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _die_with_parent() -> None:
-    # If the torchrun agent is killed hard, its workers (in their own sessions) would
-    # be orphaned; exit as soon as our parent changes.
-    parent = os.getppid()
+def _exception_chain(exc: BaseException) -> list[str]:
+    """``"Type: message"`` of ``exc`` and every exception it was raised from or during (causes first)."""
+    chain: list[str] = []
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        chain.append(f"{type(cur).__name__}: {cur}".rstrip(": "))
+        cur = cur.__cause__ or cur.__context__
+    return chain[::-1]
 
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent:
-                os._exit(3)
 
-    threading.Thread(target=watch, daemon=True, name="lslm-parent-watch").start()
+def error_record(rank: int, exc: BaseException, failed_at: float) -> dict[str, Any]:
+    """What ``rank<r>.error.json`` holds: when, which exception, its chain and the formatted traceback."""
+    return {
+        "rank": rank,
+        "pid": os.getpid(),
+        "time": failed_at,
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "chain": _exception_chain(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,27 +126,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result-dir", required=True)
     ns = parser.parse_args(argv)
 
+    # Die with the agent: SIGKILL, as there is nobody left to report to. The agent's pid
+    # comes from its environment, so a worker that starts after the agent died still knows;
+    # popped, so that processes this rank starts do not inherit it.
+    die_with_parent(int(os.environ.pop(AGENT_PID_ENV, os.getppid())), signal.SIGKILL)
     rank = int(os.environ.get("RANK", "0"))
-    sys.stdout = _PrefixedStream(sys.__stdout__, f"[rank {rank}] ")  # type: ignore[assignment]
-    sys.stderr = _PrefixedStream(sys.__stderr__, f"[rank {rank}] ")  # type: ignore[assignment]
-    _die_with_parent()
     result_dir = Path(ns.result_dir)
     os.environ[RESULT_DIR_ENV] = str(result_dir)
+    write_json_atomic(result_dir / f"rank{rank}.started.json", {"rank": rank, "pid": os.getpid(), "time": time.time()})
+    # Kept open for the life of the process: faulthandler writes to it from a signal handler.
+    fault_file = open(result_dir / f"rank{rank}.fault.txt", "w")  # noqa: SIM115
+    faulthandler.enable(file=fault_file, all_threads=True)
+    sys.stdout = _PrefixedStream(sys.__stdout__, f"[rank {rank}] ")  # type: ignore[assignment]
+    sys.stderr = _PrefixedStream(sys.__stderr__, f"[rank {rank}] ")  # type: ignore[assignment]
     try:
         kwargs = json.loads(Path(ns.args_file).read_text())
         fn = resolve_target(ns.target)
         result = fn(**kwargs)
         write_json_atomic(result_dir / f"rank{rank}.json", result)
     except BaseException as exc:  # noqa: BLE001 - report everything, including SystemExit
+        failed_at = time.time()
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             write_json_atomic(result_dir / f"rank{rank}.json", None)
             return 0
-        tb = traceback.format_exc()
-        err = result_dir / f"rank{rank}.error.txt"
-        tmp = err.with_name(err.name + ".tmp")
-        tmp.write_text(tb)
-        os.replace(tmp, err)
-        sys.stderr.write(tb)
+        record = error_record(rank, exc, failed_at)
+        write_json_atomic(result_dir / f"rank{rank}.error.json", record)
+        sys.stderr.write(record["traceback"])
         sys.stderr.flush()
         return 1
     return 0
