@@ -38,7 +38,8 @@ def test_round_robin_warmup_barrier_and_hooks() -> None:
 
     res = run_variants([variant("a"), variant("b")], steps=2, warmup=1, barrier=lambda: barriers.append(len(log)),
                        after_round=rounds.append)
-    assert log == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]  # interleaved, warm-up first
+    # Interleaved, warm-up first, each round starting one variant later (no variant always first).
+    assert log == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2)]
     assert barriers == [0, 1, 2, 3, 4, 5]  # a barrier before every call
     assert rounds == [0, 1, 2]
     assert list(res) == ["a", "b"] and res["a"].extra == ["a1", "a2"]  # after(): timed rounds only

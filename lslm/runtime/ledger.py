@@ -244,13 +244,13 @@ class Comm:
         """Non-blocking send; returns a work handle to ``wait()`` on."""
         self._contig(tensor)
         rec = self._issue("send", tensor, _nbytes(tensor), group, peer=dst, label=label)
-        return TimedWork(dist.isend(tensor, dst=dst, group=group), [rec.done], tensor.device)
+        return TimedWork(dist.isend(tensor, dst=dst, group=group), [rec.done], tensor.device, p2p=True)
 
     def irecv(self, tensor: torch.Tensor, src: int, group: Any = None, label: str = "") -> Any:
         """Non-blocking receive; returns a work handle to ``wait()`` on."""
         self._contig(tensor)
         rec = self._issue("recv", tensor, _nbytes(tensor), group, peer=src, label=label)
-        return TimedWork(dist.irecv(tensor, src=src, group=group), [rec.done], tensor.device)
+        return TimedWork(dist.irecv(tensor, src=src, group=group), [rec.done], tensor.device, p2p=True)
 
     def batch_isend_irecv(self, ops: Sequence[dist.P2POp], label: str = "") -> list[Any]:
         """Post several sends/receives together (one NCCL group); returns their work handles, wait on every one.
@@ -266,5 +266,5 @@ class Comm:
         works = dist.batch_isend_irecv(list(ops))
         device = ops[0].tensor.device if ops else None
         if len(works) == len(recs):
-            return [TimedWork(w, [r.done], device) for w, r in zip(works, recs)]
-        return [TimedWork(w, [r.done for r in recs], device) for w in works]
+            return [TimedWork(w, [r.done], device, p2p=True) for w, r in zip(works, recs)]
+        return [TimedWork(w, [r.done for r in recs], device, p2p=True) for w in works]
