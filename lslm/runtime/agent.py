@@ -16,6 +16,7 @@ import runpy
 import shutil
 import signal
 import sys
+import time
 
 from lslm.runtime.process_tree import die_with_parent
 
@@ -50,6 +51,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
     finally:
+        # The parent-death signal comes as the launcher's threads exit, so it can arrive (and
+        # torchrun finish its clean-up) while getppid() still names the dying launcher: give
+        # it a moment to be gone. Only on this path; a normal exit leaves the folder to it.
+        deadline = time.monotonic() + (3.0 if dying else 0.0)
+        while os.getppid() == ns.parent and time.monotonic() < deadline:
+            time.sleep(0.02)
         if ns.launch_dir and os.getppid() != ns.parent:
             shutil.rmtree(ns.launch_dir, ignore_errors=True)  # the launcher is gone: nobody else will
 
