@@ -106,8 +106,8 @@ def test_a_rank_killed_by_a_signal_is_named_with_it() -> None:
 def test_timeout_kills_everything() -> None:
     before = _descendants()
     start = time.perf_counter()
-    with pytest.raises(LaunchTimeout, match="did not finish within 8 s"):
-        run_workers("lslm.demos.smoke:sleep_forever", 2, timeout=8)
+    with pytest.raises(LaunchTimeout, match="did not finish within 5 s"):
+        run_workers("lslm.demos.smoke:sleep_forever", 2, timeout=5)
     assert time.perf_counter() - start < 20
     time.sleep(0.5)
     assert _descendants() - before == set()
@@ -196,10 +196,9 @@ def test_cell_defined_function_is_refused_with_a_hint() -> None:
 def test_module_level_function_object_is_accepted() -> None:
     from lslm.demos.smoke import echo
 
-    res = run_workers(echo.__module__ + ":echo", 2, a=1)
-    assert [r["rank"] for r in res] == [0, 1] and res[1]["args"] == {"a": 1}
-    res2 = launch(echo, nproc=1, output="none", b=[1, 2])
-    assert res2[0]["args"] == {"b": [1, 2]}
+    # (String targets run in every other launch test; one process is enough here.)
+    res = launch(echo, nproc=1, output="none", b=[1, 2])
+    assert [r["rank"] for r in res] == [0] and res[0]["args"] == {"b": [1, 2]}
 
 
 def test_output_is_rank_prefixed(capsys: pytest.CaptureFixture[str]) -> None:
