@@ -36,22 +36,20 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _needs_gpus(nproc: int) -> pytest.MarkDecorator:
+    gpus = visible_gpus()
+    return pytest.mark.skipif(gpus < nproc, reason=f"NCCL needs {nproc} GPUs (one per rank); {gpus} visible")
+
+
 def backends(nproc: int) -> list[Any]:
     """``backend`` parameters for a test on ``nproc`` processes: gloo, and NCCL when ``nproc`` GPUs are visible."""
-    gpus = visible_gpus()
-    skip = pytest.mark.skipif(gpus < nproc, reason=f"NCCL needs {nproc} GPUs (one per rank); {gpus} visible")
-    return ["gloo", pytest.param("nccl", marks=skip)]
+    return ["gloo", pytest.param("nccl", marks=_needs_gpus(nproc))]
 
 
 def nproc_backends(*nprocs: int) -> list[Any]:
     """``(nproc, backend)`` parameters: every ``nproc`` on gloo, and on NCCL where ``nproc`` GPUs are visible."""
-    gpus = visible_gpus()
-    out = []
-    for n in nprocs:
-        out.append(pytest.param(n, "gloo", id=f"{n}-gloo"))
-        skip = pytest.mark.skipif(gpus < n, reason=f"NCCL needs {n} GPUs (one per rank); {gpus} visible")
-        out.append(pytest.param(n, "nccl", marks=skip, id=f"{n}-nccl"))
-    return out
+    return [param for n in nprocs for param in (pytest.param(n, "gloo", id=f"{n}-gloo"),
+                                                  pytest.param(n, "nccl", marks=_needs_gpus(n), id=f"{n}-nccl"))]
 
 
 def run_workers(target: str, nproc: int, *, backend: str = "gloo", timeout: float = 120.0, nnodes: int = 1,

@@ -154,4 +154,4 @@ def test_launch_overhead_and_cli_write_the_three_files(tmp_path, monkeypatch: py
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):  # CUDA asked for on a machine without GPUs: an error before any launch
             main(["bench", "collectives", "--device", "cuda", "--out", str(tmp_path)])
-        assert "needs CUDA GPUs" in capsys.readouterr().err
+        assert "no CUDA device is available" in capsys.readouterr().err

@@ -255,7 +255,7 @@ def run(nprocs: tuple[int, ...] = (2, 4), sizes: tuple[int, ...] = DEFAULT_SIZES
     ``collectives.txt`` (the printed text), ``.json`` and ``.png`` to ``out_dir`` (``None``: print only)."""
     from lslm.runtime.launch import launch
 
-    env = device_env(device)  # before any process starts
+    env = device_env(device, max(nprocs))  # before any process starts
     results: dict[int, dict[str, Any]] = {}
     for n in nprocs:
         res = launch("lslm.bench.collectives:worker", nproc=n, timeout=timeout, output="none", sizes=list(sizes),

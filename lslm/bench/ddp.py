@@ -252,7 +252,7 @@ def run(nprocs: tuple[int, ...] = (2, 4), *, quick: bool = False, model: dict[st
     for n in nprocs:
         if not isinstance(n, int) or n < 2:
             raise ValueError(f"world sizes must be ints >= 2 (data parallelism needs peers), got {n!r}")
-    env = device_env(device)
+    env = device_env(device, max(nprocs))
     model = dict(model or (QUICK_MODEL if quick else BENCH_MODEL))
     steps = steps if steps is not None else (3 if quick else 15)
     warmup = warmup if warmup is not None else (1 if quick else 3)

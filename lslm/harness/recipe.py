@@ -86,7 +86,7 @@ def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None) -> di
     was counted), so a long run does not grow it. At the end: ``losses`` (the global loss
     per step, the mean of the data-parallel ranks' losses: one all-reduce labelled
     :data:`REPORT_LABEL`), ``memory`` (:func:`lslm.metrics.memory.memory_report` on this
-    rank), ``num_parameters``, ``threads``, ``config``, ``rank``, ``world_size``, ``device``,
+    rank), ``num_parameters``, ``threads``, ``config``, ``rank``, ``world_size``, ``dp_size``, ``device``,
     ``backend`` and ``built.info``.
     """
     ledger = ctx.comm.ledger if ctx is not None else None
@@ -121,7 +121,8 @@ def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None) -> di
                 rank_print(f"step {step:>4}  loss(rank 0) {value:.4f}  step {1e3 * marks.total:7.1f} ms{extra}")
     return {
         "rank": ctx.rank if ctx is not None else 0,
-        "world_size": ctx.dp_size if ctx is not None else 1,
+        "world_size": ctx.world_size if ctx is not None else 1,
+        "dp_size": ctx.dp_size if ctx is not None else 1,
         "losses": _global_losses(rec["local_losses"], ctx),
         **rec,
         "num_parameters": sum(p.numel() for p in built.model.parameters()),
