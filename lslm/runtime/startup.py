@@ -30,9 +30,11 @@ Where gloo and NCCL differ (and what lslm relies on)
   group's timeout *raises* a ``RuntimeError`` in the calling thread; lslm turns it
   into a ``CollectiveError`` naming the peer, and the tests rely on that. On NCCL
   the timeout is enforced by a watchdog thread: with the default
-  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` it aborts the communicators and *kills the
-  process* (no Python exception to catch; ``TORCH_NCCL_BLOCKING_WAIT=1`` would make
-  ``wait()`` raise instead, at a cost). lslm relies on that abort there: the
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` ("SkipCleanUp" in torch's ProcessGroupNCCL.hpp)
+  it *tears the process down* without aborting the communicators first (1 aborts them
+  and then tears down; no Python exception to catch either way;
+  ``TORCH_NCCL_BLOCKING_WAIT=1`` would make
+  ``wait()`` raise instead, at a cost). lslm relies on that process death there: the
   launcher sees a rank die and fails the whole job with a ``LaunchError``. So the
   "clear error" tests for timeouts and deadlocks run on gloo only.
 
