@@ -1,6 +1,7 @@
 # The course's commands. Everything runs inside .venv, created on first use.
 #
-#   make lab      install if needed, open JupyterLab on notebooks/
+#   make lab      install if needed, start JupyterLab on the repository root, opened on notebooks/
+#                 (the root is served so that the notebooks' ../images/*.png links load)
 #   make test     install if needed, lint (ruff), run the whole test suite (notebooks included)
 #
 # Variables (override on the command line, e.g. `make lab PORT=9999`):
@@ -35,8 +36,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The root is served (not notebooks/) so that ../images/*.png resolves; the browser opens on notebooks/.
 lab: setup
-	$(BIN)/jupyter lab --notebook-dir=notebooks --port=$(PORT) $(ROOT_FLAG) $(LAB_ARGS)
+	$(BIN)/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks \
+		--port=$(PORT) $(ROOT_FLAG) $(LAB_ARGS)
 
 test: setup lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -45,11 +48,14 @@ test: setup lint
 lint: setup
 	$(BIN)/python -m ruff check .
 
-# Re-execute every notebook in place (outputs committed, so readers see results first).
+# Re-execute every notebook in place (outputs committed, so readers see results first), then normalise them
+# (kernelspec as installed, no run timestamps or widget state, text progress bars as their final line), so a
+# re-run leaves a diff only where outputs really changed. Run the script by hand after saving from JupyterLab.
 notebooks: setup
 	for nb in notebooks/[0-9]*.ipynb; do \
 		$(BIN)/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 "$$nb" || exit 1; \
 	done
+	$(BIN)/python scripts/normalize_notebooks.py notebooks/[0-9]*.ipynb
 
 doctor: setup
 	$(BIN)/lslm doctor

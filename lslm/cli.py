@@ -83,6 +83,64 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+def worker_kwargs(items: list[str], parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """``key=value`` words -> keyword arguments (values parsed as JSON, else kept as strings).
+
+    Anything else ends in ``parser.error`` with what to write instead: an unknown option
+    (``--nprocs``), a word without ``=``, a key that is not a Python name, a key given twice.
+    """
+    kwargs: dict[str, Any] = {}
+    for item in items:
+        if item.startswith("-"):
+            known = ", ".join(s for a in parser._actions for s in a.option_strings if s.startswith("--"))
+            parser.error(f"unknown option {item.split('=', 1)[0]!r} (options: {known}; "
+                         "worker arguments are key=value)")
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"worker argument {item!r} is not key=value (e.g. numel=1024)")
+        if not key.isidentifier():
+            parser.error(f"worker argument {item!r}: {key!r} is not a Python parameter name")
+        if key in kwargs:
+            parser.error(f"worker argument {key!r} is given twice")
+        kwargs[key] = _parse_value(value)
+    return kwargs
+
+
+LAUNCH_DESCRIPTION = """\
+Run TARGET ('package.module:function') on N processes through torchrun and print
+what every rank's function returned, as JSON (exit status 1 if a rank failed, with
+the rank that failed first and its traceback). Worker arguments are key=value, the
+value parsed as JSON (numel=1024, name=x, sizes=[1,2]); options may come before or
+after them. SIGTERM and SIGHUP (timeout, SLURM, a closed terminal) stop every rank
+like Ctrl-C does."""
+
+LAUNCH_EPILOG = """\
+examples:
+  lslm launch lslm.demos.smoke:worker --nproc 4 numel=1024
+  lslm launch --nproc 2 --output rank0 lslm.demos.smoke:worker numel=8
+  lslm launch lslm.demos.smoke:worker --nnodes 2 --nproc 2   # 2 torchrun agents, c10d rendezvous
+  lslm launch lslm.demos.smoke:worker --device cuda --backend nccl   # one GPU per process"""
+
+
+def _add_launch_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("launch", help="run 'package.module:function' on N processes via torchrun",
+                       description=LAUNCH_DESCRIPTION, epilog=LAUNCH_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("target", metavar="TARGET", help="the worker function, 'package.module:function'")
+    p.add_argument("--nproc", type=int, default=2, help="processes per node (default: 2)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="torchrun agents started on this machine, as if on that many nodes (default: 1)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds before every rank is stopped (default: 600; inf: no limit)")
+    p.add_argument("--output", choices=("all", "rank0", "none"), default="all",
+                   help="whose printed lines to show, prefixed [rank r] (default: all)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (sets LSLM_DEVICE; default: automatic)")
+    p.add_argument("--backend", choices=("gloo", "nccl", "mpi"), default=None,
+                   help="sets LSLM_BACKEND (default: nccl on GPUs, else gloo)")
+    p.add_argument("args", nargs="*", metavar="key=value", help="the worker's keyword arguments")
+    return p
+
+
 def _launch_command(ns: argparse.Namespace, parser: argparse.ArgumentParser, extra: list[str]) -> int:
     """``lslm launch``: run the job, print the results as JSON. Exit status 1 if the job failed.
 
@@ -91,12 +149,10 @@ def _launch_command(ns: argparse.Namespace, parser: argparse.ArgumentParser, ext
     """
     from lslm.runtime.launch import LaunchError, launch
 
-    kwargs = {}
-    for item in [*ns.args, *extra]:
-        key, sep, value = item.partition("=")
-        if not sep:
-            parser.error(f"worker argument {item!r} is not key=value")
-        kwargs[key] = _parse_value(value)
+    if "=" in ns.target and ":" not in ns.target.partition("=")[0]:
+        parser.error(f"the target ('package.module:function') comes before the worker's key=value arguments, "
+                     f"got {ns.target!r} first")
+    kwargs = worker_kwargs([*ns.args, *extra], parser)
     env = {k: v for k, v in (("LSLM_DEVICE", ns.device), ("LSLM_BACKEND", ns.backend)) if v}
     received: list[int] = []
 
@@ -126,41 +182,50 @@ def _launch_command(ns: argparse.Namespace, parser: argparse.ArgumentParser, ext
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``lslm`` console script."""
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``lslm`` parser and its sub-command parsers by name (``doctor``, ``bench``, ``launch``)."""
     from lslm.bench import cli as bench_cli  # light: the benches themselves are imported when run
 
-    parser = argparse.ArgumentParser(prog="lslm", description="lslm: large-scale LM training, from scratch")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_doc = sub.add_parser("doctor", help="check versions, devices, backends and run a 2-process smoke job")
-    p_doc.add_argument("--nproc", type=int, default=2)
+    parser = argparse.ArgumentParser(prog="lslm", description="lslm: large-scale LM training, from scratch",
+                                     epilog="run `lslm COMMAND --help` for a command's options and examples")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{doctor,bench,launch}")
+    p_doc = sub.add_parser("doctor", help="check versions, devices, backends and run a 2-process smoke job",
+                           description="Print versions, devices and backends, run a small smoke job through "
+                                       "lslm.launch, end with 'lslm doctor: OK' or 'lslm doctor: FAIL (...)'.")
+    p_doc.add_argument("--nproc", type=int, default=2, help="processes of the smoke job (default: 2)")
     p_doc.add_argument("--json", action="store_true", help="print the machine report as JSON and exit")
-    p_bench = sub.add_parser("bench", help="run a side-by-side benchmark (prints a table, writes TXT/JSON/PNG)")
+    p_bench = sub.add_parser("bench", help="run a side-by-side benchmark (prints a table, writes TXT/JSON/PNG)",
+                             description="Side-by-side benchmarks on the harness's bench runner; each prints a "
+                                         "table and writes NAME.txt, NAME.json and NAME.png.")
     bench_cli.add_arguments(p_bench)
-    p_launch = sub.add_parser("launch", help="run 'package.module:function' on N processes via torchrun")
-    p_launch.add_argument("target")
-    p_launch.add_argument("--nproc", type=int, default=2)
-    p_launch.add_argument("--nnodes", type=int, default=1)
-    p_launch.add_argument("--timeout", type=float, default=600.0, help="seconds (default 600; inf: no limit)")
-    p_launch.add_argument("--output", choices=("all", "rank0", "none"), default="all")
-    p_launch.add_argument("--device", default=None, help="cpu, cuda or cuda:N (sets LSLM_DEVICE; default: automatic)")
-    p_launch.add_argument("--backend", choices=("gloo", "nccl", "mpi"), default=None,
-                          help="sets LSLM_BACKEND (default: nccl on GPUs, else gloo)")
-    p_launch.add_argument("args", nargs="*", help="worker arguments as key=value (values parsed as JSON)")
+    p_launch = _add_launch_parser(sub)
+    return parser, {"doctor": p_doc, "bench": p_bench, "launch": p_launch}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``lslm`` console script."""
+    from lslm.bench import cli as bench_cli
+
+    parser, commands = build_parser()
     # parse_known_args: `lslm launch T --nproc 4 numel=8` puts key=value after an option,
-    # which argparse leaves over instead of adding to the `args` positional.
+    # which argparse leaves over instead of adding to the `args` positional; launch takes
+    # them as worker arguments, every other command refuses what it does not know.
     ns, extra = parser.parse_known_args(argv)
-    if extra and ns.command != "launch":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if ns.command == "launch":
+        return _launch_command(ns, commands["launch"], extra)
+    if ns.command == "bench":
+        if extra:
+            ns.bench_parser.error(bench_cli.explain_unknown(ns.name, extra))
+        return bench_cli.run(ns, parser)
+    if extra:
+        commands[ns.command].error(f"unrecognized arguments: {' '.join(extra)}")
     if ns.command == "doctor":
+        if ns.nproc < 1:
+            commands["doctor"].error(f"--nproc must be >= 1, got {ns.nproc}")
         if ns.json:
             print(json.dumps(doctor_report(), indent=2))
             return 0
         return 0 if doctor(ns.nproc) else 1
-    if ns.command == "bench":
-        return bench_cli.run(ns, parser)
-    if ns.command == "launch":
-        return _launch_command(ns, parser, extra)
     return 2  # pragma: no cover - argparse enforces a command
 
 

@@ -33,7 +33,8 @@ MARKER = "# lslm: cpu-ok ("
 # recipes, benches, demos and exercises, and each later chapter's package once it exists.
 COMM_DIRS = ["lslm/runtime", "lslm/collectives", "lslm/data_parallel/ddp", "lslm/harness", "lslm/recipes",
              "lslm/bench", "lslm/demos", "lslm/exercises", "lslm/tensor_parallel", "lslm/sequence_parallel",
-             "lslm/context_parallel", "lslm/pipeline_parallel", "lslm/zero", "lslm/fsdp", "lslm/expert_parallel"]
+             "lslm/context_parallel", "lslm/pipeline", "lslm/pipeline_parallel", "lslm/precision", "lslm/zero",
+             "lslm/fsdp", "lslm/expert_parallel", "lslm/integrations"]
 
 
 def factory_calls_without_device(path: Path) -> list[str]:

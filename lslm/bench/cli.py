@@ -1,35 +1,153 @@
-"""``lslm bench launch|collectives|ddp``: the bench part of the ``lslm`` command (see :mod:`lslm.cli`)."""
+"""``lslm bench launch|collectives|ddp``: the bench part of the ``lslm`` command (see :mod:`lslm.cli`).
+
+Each bench is its own sub-command with only the options it uses, so ``lslm bench ddp --help``
+lists ddp's options and an option of another bench is an error that names the bench it
+belongs to, never silently ignored. Values are checked by argparse types (the rules of
+:mod:`lslm.bench.checks`), so a bad value stops the command before any process starts.
+"""
 
 from __future__ import annotations
 
 import argparse
+import textwrap
+from collections.abc import Callable
 
 from lslm.bench.devices import BENCH_DEVICES
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["BENCH_OPTIONS", "add_arguments", "explain_unknown", "run"]
+
+_RAW = argparse.RawDescriptionHelpFormatter
+
+
+def _int_at_least(minimum: int, why: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}{f' ({why})' if why else ''}, "
+                                             f"got {value}")
+        return value
+    return parse
+
+
+def _positive_mib(text: str) -> float:
+    """An argparse type: a bucket size in MiB, a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of MiB > 0, got {text}")
+    return value
+
+
+def _nprocs(p: argparse.ArgumentParser, minimum: int, why: str = "") -> None:
+    p.add_argument("--nprocs", type=_int_at_least(minimum, why), nargs="+", default=[2, 4], metavar="N",
+                   help="world sizes to measure, one launch each (default: 2 4)")
+
+
+def _out(p: argparse.ArgumentParser, name: str) -> None:
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help=f"folder for {name}.txt, .json and .png, created if missing (default: bench/results)")
+
+
+def _device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=BENCH_DEVICES, default="cpu",
+                   help="cpu (gloo, comparable with the committed results), cuda (NCCL, one GPU per process) "
+                        "or auto (default: cpu)")
+
+
+def _launch_options(p: argparse.ArgumentParser) -> None:
+    _nprocs(p, 1)
+    p.add_argument("--repeats", type=_int_at_least(1), default=5, metavar="R",
+                   help="launches per world size and job; the table shows their median (default: 5)")
+    _out(p, "launch_overhead")
+
+
+def _collectives_options(p: argparse.ArgumentParser) -> None:
+    _nprocs(p, 1)
+    p.add_argument("--sizes-kib", type=_int_at_least(1), nargs="+", default=None, metavar="KIB",
+                   help="message sizes in KiB (default: 4 64 1024 16384 65536, i.e. 4 KiB ... 64 MiB)")
+    p.add_argument("--repeats", type=_int_at_least(1), default=5, metavar="R",
+                   help="timed calls per (collective, size); the table shows their median (default: 5)")
+    _out(p, "collectives")
+    _device(p)
+
+
+def _ddp_options(p: argparse.ArgumentParser) -> None:
+    _nprocs(p, 2, "data parallelism needs peers")
+    p.add_argument("--steps", type=_int_at_least(1), default=None,
+                   help="timed training steps per variant (default: 15; 3 with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, few steps, two-point sweep: checks structure and bytes, timings meaningless")
+    p.add_argument("--bucket-mb", type=_positive_mib, default=None, metavar="MIB",
+                   help="bucket size every variant uses (MiB; default: 4)")
+    p.add_argument("--sweep-mb", type=_positive_mib, nargs="+", default=None, metavar="MIB",
+                   help="bucket sizes of the bucketed sweep (MiB; default: 0.25 1 4 16; 0.25 1 with --quick)")
+    _out(p, "ddp")
+    _device(p)
+
+
+#: name -> (one-line help, what it measures, its options, an example)
+_BENCHES: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None], str]] = {
+    "launch": ("start-up cost of a trivial job (lslm.launch wall time)",
+               "Wall time of lslm.launch for an 'echo' job (workers import lslm and return) and a 'smoke' "
+               "job (a gloo group, one 4 KiB all-reduce), median of --repeats launches per world size.",
+               _launch_options, "lslm bench launch --nprocs 2 --repeats 3"),
+    "collectives": ("every lslm collective next to torch.distributed's, and the alpha-beta fit",
+                    "Times every lslm collective and torch.distributed's own at each message size and world "
+                    "size (medians of --repeats), prints algorithm and bus bandwidth (the nccl-tests "
+                    "definitions) and fits the alpha-beta cost model.",
+                    _collectives_options, "lslm bench collectives --nprocs 2 --sizes-kib 4 1024 --repeats 3"),
+    "ddp": ("naive, fused, bucketed and torch DDP on one GPT, plus a bucket-size sweep",
+            "Trains naive, fused, bucketed and torch DDP and a no-communication floor on the same GPT and "
+            "data, round-robin in one launch per world size; sweeps the bucket size, reports the fraction "
+            "of all-reduce time hidden behind backward and checks all-reduced bytes against gradient bytes.",
+            _ddp_options, "lslm bench ddp --quick --nprocs 2"),
+}
+
+
+def _option_strings(add: Callable[[argparse.ArgumentParser], None]) -> set[str]:
+    probe = argparse.ArgumentParser(add_help=False)
+    add(probe)
+    return {s for action in probe._actions for s in action.option_strings}
+
+
+#: every bench's own options, to tell a user whose option they passed
+BENCH_OPTIONS: dict[str, set[str]] = {name: _option_strings(spec[2]) for name, spec in _BENCHES.items()}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``lslm bench`` flags (the same for every bench; each uses the ones it needs)."""
-    p.add_argument("name", choices=("launch", "collectives", "ddp"))
-    p.add_argument("--sizes-kib", type=int, nargs="+", default=None,
-                   help="collectives: message sizes in KiB (default 4 KiB ... 64 MiB)")
-    p.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default=None, help="folder for the .txt, .json and .png (default: bench/results)")
-    p.add_argument("--device", choices=BENCH_DEVICES, default="cpu",
-                   help="collectives, ddp: cpu (gloo), cuda (NCCL, one GPU per process) or auto (default: cpu)")
-    p.add_argument("--quick", action="store_true",
-                   help="ddp: tiny model and few steps (checks structure and bytes; timings meaningless)")
-    p.add_argument("--bucket-mb", type=float, default=None,
-                   help="ddp: the bucket size every variant uses (MiB; default 4)")
-    p.add_argument("--sweep-mb", type=float, nargs="+", default=None,
-                   help="ddp: bucket sizes of the sweep (MiB; default 0.25 1 4 16)")
-    p.add_argument("--steps", type=int, default=None, help="ddp: timed steps per variant (default 15)")
+    """Add one sub-command per bench to ``p`` (the ``lslm bench`` parser), each with its own options."""
+    sub = p.add_subparsers(dest="name", required=True, metavar="{launch,collectives,ddp}",
+                           title="benches", description="run `lslm bench NAME --help` for the options of one")
+    for name, (short, long, add, example) in _BENCHES.items():
+        sp = sub.add_parser(name, help=short, description=textwrap.fill(long, 80), formatter_class=_RAW,
+                            epilog=f"example (a small run):\n  {example}")
+        add(sp)
+        sp.set_defaults(bench_parser=sp)
+
+
+def explain_unknown(name: str, extra: list[str]) -> str:
+    """The error for arguments ``lslm bench NAME`` does not take: say which bench an option belongs to."""
+    for item in extra:
+        option = item.split("=", 1)[0]
+        if not option.startswith("-"):
+            continue
+        owners = [other for other, opts in BENCH_OPTIONS.items() if option in opts]
+        if owners:
+            return (f"{option} is an option of `lslm bench {' / '.join(owners)}`, not of `lslm bench {name}` "
+                    f"(its options: {', '.join(sorted(BENCH_OPTIONS[name]))}; see `lslm bench {name} --help`)")
+        return f"unknown option {option} for `lslm bench {name}` (see `lslm bench {name} --help`)"
+    return f"unexpected arguments {' '.join(extra)} for `lslm bench {name}` (see `lslm bench {name} --help`)"
 
 
 def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """Run the bench ``ns.name`` with the parsed flags; bad settings end in ``parser.error``."""
+    """Run the bench ``ns.name`` with the parsed flags; bad settings end in ``parser.error`` before any launch."""
+    parser = getattr(ns, "bench_parser", parser)  # the bench's own parser, for its usage line
     out_dir = ns.out or "bench/results"
     try:
         if ns.name == "launch":

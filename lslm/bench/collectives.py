@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lslm.bench.checks import at_least, world_sizes
 from lslm.bench.devices import device_env
 from lslm.harness import Report, Variant, run_variants
 
@@ -208,42 +209,15 @@ def ring_to_native_ratio(rows: list[dict[str, Any]], size: int | None = None) ->
 
 
 def plot(results: dict[int, dict[str, Any]], path: Path) -> None:
-    """Left: all-reduce bus bandwidth vs size, lslm vs torch. Right: measured vs fitted model."""
+    """Write :func:`lslm.plot.collectives.plot_collectives` (bus bandwidth; measured vs fitted model) to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    worlds = sorted(results)
-    fig, axes = plt.subplots(len(worlds), 2, figsize=(12, 4.2 * len(worlds)), dpi=80, squeeze=False)
-    for row_axes, n in zip(axes, worlds):
-        rows, fit = results[n]["rows"], results[n]["fit"]
-        ax = row_axes[0]
-        for name in ("torch.all_reduce", *LSLM_ALGORITHMS["all_reduce"]):
-            pts = sorted((r["bytes"], r["busbw_GBps"]) for r in rows if r["algorithm"] == name)
-            ax.plot([p[0] / MIB for p in pts], [p[1] for p in pts], marker="o", label=name,
-                    lw=2.5 if name.startswith("torch") else 1.5)
-        ax.set_xscale("log")
-        ax.set_xlabel("message size (MiB)")
-        ax.set_ylabel("bus bandwidth (GB/s)")
-        ax.set_title(f"all-reduce bus bandwidth, {n} processes ({results[n].get('backend', 'gloo')})")
-        ax.legend(fontsize=8)
-        ax = row_axes[1]
-        for name in [a for names in LSLM_ALGORITHMS.values() for a in names]:
-            pts = sorted((r["bytes"], r["time_s"]) for r in rows if r["algorithm"] == name)
-            line, = ax.plot([p[0] / MIB for p in pts], [p[1] * 1e3 for p in pts], "o", ms=4, label=name)
-            xs = [p[0] for p in pts]
-            ax.plot([x / MIB for x in xs], [model_time(fit, name, n, x) * 1e3 for x in xs], "-",
-                    color=line.get_color(), lw=1)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("message size (MiB)")
-        ax.set_ylabel("time (ms)")
-        ax.set_title(f"measured (dots) vs alpha-beta-gamma model (lines), {n} processes\n"
-                     f"alpha={fit['alpha_s'] * 1e6:.0f} us, 1/beta={fit['bandwidth_GBps']:.2f} GB/s, "
-                     f"gamma={fit['gamma_s_per_byte'] * 1e9:.2f} ns/B", fontsize=10)
-        ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
+    from lslm.plot.collectives import plot_collectives  # one figure for the notebook and the bench
+
+    fig = plot_collectives(results)
     fig.savefig(path)
     plt.close(fig)
 
@@ -255,7 +229,15 @@ def run(nprocs: tuple[int, ...] = (2, 4), sizes: tuple[int, ...] = DEFAULT_SIZES
     ``collectives.txt`` (the printed text), ``.json`` and ``.png`` to ``out_dir`` (``None``: print only)."""
     from lslm.runtime.launch import launch
 
-    env = device_env(device, max(nprocs))  # before any process starts
+    nprocs = world_sizes(nprocs)  # every check before any process starts
+    sizes = tuple(sizes)
+    if not sizes:
+        raise ValueError("sizes is empty: give at least one message size in bytes")
+    for size in sizes:
+        at_least("message sizes (bytes)", size, 1)
+    at_least("repeats", repeats, 1)
+    at_least("warmup", warmup, 0)
+    env = device_env(device, max(nprocs))
     results: dict[int, dict[str, Any]] = {}
     for n in nprocs:
         res = launch("lslm.bench.collectives:worker", nproc=n, timeout=timeout, output="none", sizes=list(sizes),

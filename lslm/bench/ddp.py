@@ -57,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lslm.bench.checks import at_least, world_sizes
 from lslm.bench.ddp_report import plot, print_table, ratio
 from lslm.bench.devices import device_env
 from lslm.data_parallel.ddp import GRAD_LABEL, cap_bytes
@@ -249,9 +250,12 @@ def run(nprocs: tuple[int, ...] = (2, 4), *, quick: bool = False, model: dict[st
 
     for mb in (bucket_cap_mb, *(sweep_mb or ())):
         cap_bytes(mb)  # before any process starts
-    for n in nprocs:
-        if not isinstance(n, int) or n < 2:
-            raise ValueError(f"world sizes must be ints >= 2 (data parallelism needs peers), got {n!r}")
+    nprocs = world_sizes(nprocs, 2, "data parallelism needs peers")
+    if steps is not None:
+        at_least("steps", steps, 1)
+    if warmup is not None:
+        at_least("warmup", warmup, 0)
+    at_least("threads", threads, 1)
     env = device_env(device, max(nprocs))
     model = dict(model or (QUICK_MODEL if quick else BENCH_MODEL))
     steps = steps if steps is not None else (3 if quick else 15)

@@ -13,6 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from lslm.bench.checks import at_least, world_sizes
 from lslm.harness import Report
 from lslm.runtime.launch import launch
 
@@ -21,6 +22,8 @@ __all__ = ["main", "measure", "plot", "print_table"]
 
 def measure(nprocs: tuple[int, ...] = (2, 4), repeats: int = 5) -> list[dict[str, Any]]:
     """Median wall seconds of a trivial launch per world size, for the echo and smoke jobs."""
+    nprocs = world_sizes(nprocs)  # before any process starts
+    at_least("repeats", repeats, 1)
     rows = []
     for n in nprocs:
         for job, target in (("echo", "lslm.demos.smoke:echo"), ("smoke", "lslm.demos.smoke:worker")):

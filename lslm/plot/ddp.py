@@ -41,7 +41,7 @@ def plot_step_breakdown(result: dict[str, Any], ax: Any = None) -> Any:
         ax.text(i, bottom[i], f"{r['step_ms']:.0f}", ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("median step time (ms)")
     ax.set_title(f"{result['world_size']} processes, {mb:g} MiB buckets: where a step's time goes", fontsize=10)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=8, loc="upper right")
     ax.set_ylim(0, max(bottom) * 1.25)
     return ax
 
@@ -54,18 +54,18 @@ def plot_bucket_sweep(result: dict[str, Any], ax: Any = None) -> Any:
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=f"{variant} DDP")
     mb = result["bucket_cap_mb"]
-    for variant, style in (("naive", ":"), ("local", "--")):
+    for variant, style, color in (("naive", ":", "tab:red"), ("local", "--", "tab:green")):
         row = next((r for r in result["rows"] if r["variant"] == variant and r["bucket_mb"] == mb), None)
         if row:
             label = "local (no communication)" if variant == "local" else "naive (one all-reduce per tensor)"
-            ax.axhline(row["step_ms"], ls=style, color="grey", label=label)
+            ax.axhline(row["step_ms"], ls=style, color=color, label=label)
     ax.axvline(result["grad_bytes"] / 2**20, color="black", lw=0.8, alpha=0.5,
                label=f"all gradients ({result['grad_bytes'] / 2**20:.1f} MiB): one bucket")
     ax.set_xscale("log")
     ax.set_xlabel("bucket size cap (MiB)")
     ax.set_ylabel("median step time (ms)")
     ax.set_title(f"bucket-size sweep, {result['world_size']} processes", fontsize=10)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=8)
     return ax
 
 
@@ -104,13 +104,13 @@ def plot_timeline(per_rank: Sequence[dict[str, Any]], ax: Any = None, title: str
                     label="bucket all-reduce (launch → done)" if r == 0 and b == 0 else None)
             ax.plot([t_ready], [yy], marker="|", color="black", ms=6,
                     label="bucket ready" if r == 0 and b == 0 else None)
-            ax.text(end, yy, f" b{b}: {ready[b]['bytes'] / 2**20:.2g} MiB", fontsize=6, va="center")
+            ax.text(end, yy, f" b{b}: {ready[b]['bytes'] / 2**20:.2g} MiB", fontsize=8, va="center")
         ticks.append((y, f"rank {r}"))
     ax.set_yticks([p for p, _ in ticks], [t for _, t in ticks])
     ax.set_ylim(0, band * len(per_rank) + 0.2)
     ax.set_xlabel("time since the first rank started the step (ms)")
     ax.set_title(title or "one bucketed DDP step per rank: bucket all-reduces overlap backward", fontsize=10)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3)
     return ax
 
 

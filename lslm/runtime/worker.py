@@ -1,8 +1,9 @@
 """The process torchrun starts for every rank of an ``lslm.launch`` job.
 
 ``python -m lslm.runtime.worker --target pkg.module:function --args-file A --result-dir D``
-imports the target, calls it with the JSON arguments, and writes what it returns
-to ``D/rank<r>.json``. What the launcher reads from ``D`` to tell what happened:
+imports the target, calls it with the JSON arguments (none without ``--args-file``), and
+writes what it returns to ``D/rank<r>.json`` (``D`` is created if missing). What the
+launcher reads from ``D`` to tell what happened:
 
 * ``rank<r>.started.json``: pid and start time, written first, so the launcher can
   notice a rank that dies without a word (SIGKILL, the out-of-memory killer, a crash).
@@ -120,11 +121,18 @@ def error_record(rank: int, exc: BaseException, failed_at: float) -> dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of one rank: run the target, write its result or its traceback."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--target", required=True)
-    parser.add_argument("--args-file", required=True)
-    parser.add_argument("--result-dir", required=True)
+    parser = argparse.ArgumentParser(prog="python -m lslm.runtime.worker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help="the function every rank calls, 'package.module:function'")
+    parser.add_argument("--args-file", default=None,
+                        help="JSON file with the function's keyword arguments (default: none)")
+    parser.add_argument("--result-dir", required=True,
+                        help="folder for rank<r>.json and the status files, created if missing")
     ns = parser.parse_args(argv)
+    # Checked here, before anything is written: a typo'd file ends with one line, not a traceback per rank.
+    args_file = Path(ns.args_file) if ns.args_file is not None else None
+    if args_file is not None and not args_file.is_file():
+        parser.error(f"--args-file {ns.args_file}: no such file (write the keyword arguments as JSON, e.g. {{}})")
 
     # Die with the agent: SIGKILL, as there is nobody left to report to. The agent's pid
     # comes from its environment, so a worker that starts after the agent died still knows;
@@ -132,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(int(os.environ.pop(AGENT_PID_ENV, os.getppid())), signal.SIGKILL)
     rank = int(os.environ.get("RANK", "0"))
     result_dir = Path(ns.result_dir)
+    result_dir.mkdir(parents=True, exist_ok=True)  # e.g. `--result-dir results/` on a fresh node
     os.environ[RESULT_DIR_ENV] = str(result_dir)
     write_json_atomic(result_dir / f"rank{rank}.started.json", {"rank": rank, "pid": os.getpid(), "time": time.time()})
     # Kept open for the life of the process: faulthandler writes to it from a signal handler.
@@ -140,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = _PrefixedStream(sys.__stdout__, f"[rank {rank}] ")  # type: ignore[assignment]
     sys.stderr = _PrefixedStream(sys.__stderr__, f"[rank {rank}] ")  # type: ignore[assignment]
     try:
-        kwargs = json.loads(Path(ns.args_file).read_text())
+        kwargs = json.loads(args_file.read_text()) if args_file is not None else {}
         fn = resolve_target(ns.target)
         result = fn(**kwargs)
         write_json_atomic(result_dir / f"rank{rank}.json", result)

@@ -1,0 +1,166 @@
+"""The ``lslm`` command line: its help, and bad input refused before any process starts (no launch here)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+
+from lslm.bench import checks
+from lslm.bench.cli import BENCH_OPTIONS
+from lslm.cli import main
+
+launch_module = importlib.import_module("lslm.runtime.launch")  # the attribute lslm.runtime.launch is the function
+
+
+@pytest.fixture()
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Replace the launcher: a call is recorded (and returns one fake result); tests assert none happened."""
+    calls: list[Any] = []
+
+    def fake(target: Any, **kw: Any) -> list[dict[str, Any]]:
+        calls.append((target, kw))
+        return [{"ok": True}]
+
+    monkeypatch.setattr(launch_module, "launch", fake)
+    from lslm.bench import launch_overhead
+
+    monkeypatch.setattr(launch_overhead, "launch", fake)
+    return calls
+
+
+def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+# -- lslm bench -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "launch", "--nprocs", "0"], "argument --nprocs: must be an integer >= 1, got 0"),
+    (["bench", "collectives", "--nprocs", "-2"], "argument --nprocs: must be an integer >= 1, got -2"),
+    (["bench", "ddp", "--nprocs", "1"], "must be an integer >= 2 (data parallelism needs peers), got 1"),
+    (["bench", "ddp", "--nprocs", "two"], "argument --nprocs: expected an integer, got 'two'"),
+    (["bench", "ddp", "--nprocs", "2", "2"], "world sizes (nprocs) must not repeat"),
+    (["bench", "launch", "--repeats", "0"], "argument --repeats: must be an integer >= 1, got 0"),
+    (["bench", "collectives", "--repeats", "0"], "argument --repeats: must be an integer >= 1, got 0"),
+    (["bench", "ddp", "--steps", "0"], "argument --steps: must be an integer >= 1, got 0"),
+    (["bench", "collectives", "--sizes-kib", "4", "-4"], "argument --sizes-kib: must be an integer >= 1, got -4"),
+    (["bench", "collectives", "--sizes-kib", "0"], "argument --sizes-kib: must be an integer >= 1, got 0"),
+    (["bench", "ddp", "--bucket-mb", "-1"], "argument --bucket-mb: must be a finite number of MiB > 0, got -1"),
+    (["bench", "ddp", "--sweep-mb", "1", "0"], "argument --sweep-mb: must be a finite number of MiB > 0, got 0"),
+    (["bench", "ddp", "--bucket-mb", "nan"], "must be a finite number of MiB > 0"),
+    (["bench", "ddp", "--repeats", "3"], "--repeats is an option of `lslm bench launch / collectives`, "
+                                         "not of `lslm bench ddp`"),
+    (["bench", "launch", "--quick"], "--quick is an option of `lslm bench ddp`, not of `lslm bench launch`"),
+    (["bench", "launch", "--device", "cpu"], "--device is an option of `lslm bench collectives / ddp`"),
+    (["bench", "collectives", "--steps", "2"], "--steps is an option of `lslm bench ddp`"),
+    (["bench", "launch", "--frobnicate"], "unknown option --frobnicate for `lslm bench launch`"),
+    (["bench", "ddp", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["bench"], "required: {launch,collectives,ddp}"),
+])
+def test_bench_refuses_bad_settings_before_any_launch(argv: list[str], message: str, no_launch: list[Any],
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    err = _error(argv, capsys)
+    assert message in err, err
+    assert err.startswith("usage: lslm bench")  # the bench's own usage line, not the generic one
+    assert no_launch == []
+
+
+def test_each_bench_help_lists_its_own_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert BENCH_OPTIONS["ddp"] == {"--nprocs", "--steps", "--quick", "--bucket-mb", "--sweep-mb", "--out",
+                                    "--device"}
+    assert BENCH_OPTIONS["launch"] == {"--nprocs", "--repeats", "--out"}
+    assert BENCH_OPTIONS["collectives"] == {"--nprocs", "--sizes-kib", "--repeats", "--out", "--device"}
+    every = set().union(*BENCH_OPTIONS.values())
+    for name, own in BENCH_OPTIONS.items():
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", name, "--help"])
+        assert exc.value.code == 0
+        text = capsys.readouterr().out
+        assert text.startswith(f"usage: lslm bench {name}") and f"lslm bench {name} " in text  # an example
+        assert all(opt in text for opt in own), name
+        assert not any(opt in text for opt in every - own), name
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = capsys.readouterr().out
+    assert all(f"    {name} " in text for name in BENCH_OPTIONS)
+
+
+def test_bench_python_api_checks_before_any_launch(no_launch: list[Any]) -> None:
+    from lslm.bench import collectives, ddp, launch_overhead
+
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1, got 0"):
+        launch_overhead.measure((2,), repeats=0)
+    with pytest.raises(ValueError, match="world sizes"):
+        launch_overhead.measure((0,))
+    with pytest.raises(ValueError, match="nprocs is empty"):
+        collectives.run((), out_dir=None)
+    with pytest.raises(ValueError, match=r"message sizes \(bytes\) must be an integer >= 1, got -4"):
+        collectives.run((2,), sizes=(-4,), out_dir=None)
+    with pytest.raises(ValueError, match="sizes is empty"):
+        collectives.run((2,), sizes=(), out_dir=None)
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1, got 0"):
+        collectives.run((2,), sizes=(4096,), repeats=0, out_dir=None)
+    with pytest.raises(ValueError, match="steps must be an integer >= 1, got 0"):
+        ddp.run((2,), quick=True, steps=0, out_dir=None)
+    with pytest.raises(ValueError, match="warmup must be an integer >= 0, got -1"):
+        ddp.run((2,), quick=True, warmup=-1, out_dir=None)
+    with pytest.raises(ValueError, match=r"data parallelism needs peers"):
+        ddp.run((1, 2), quick=True, out_dir=None)
+    assert no_launch == []
+
+
+def test_checks_helpers() -> None:
+    assert checks.world_sizes([2, 4]) == (2, 4)
+    assert checks.at_least("steps", 3, 1) == 3
+    for bad in (True, 1.5, "2", 0):
+        with pytest.raises(ValueError, match="steps must be an integer >= 1"):
+            checks.at_least("steps", bad, 1)
+    with pytest.raises(ValueError, match=r"integers >= 2 \(why\), got 1"):
+        checks.world_sizes([1], 2, "why")
+
+
+# -- lslm launch -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv", [
+    ["launch", "pkg.mod:fn", "--nproc", "4", "numel=1024", "tag=x"],
+    ["launch", "pkg.mod:fn", "numel=1024", "--nproc", "4", "tag=x"],
+    ["launch", "--nproc", "4", "pkg.mod:fn", "numel=1024", "tag=x"],
+    ["launch", "pkg.mod:fn", "numel=1024", "tag=x", "--nproc=4"],
+])
+def test_launch_takes_options_before_or_after_worker_arguments(argv: list[str], no_launch: list[Any],
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 0
+    ((target, kw),) = no_launch
+    assert target == "pkg.mod:fn" and kw["nproc"] == 4 and kw["numel"] == 1024 and kw["tag"] == "x"
+    assert '"ok": true' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["launch", "pkg.mod:fn", "--nprocs", "4"], "unknown option '--nprocs' (options: --help, --nproc"),
+    (["launch", "pkg.mod:fn", "numel"], "worker argument 'numel' is not key=value"),
+    (["launch", "pkg.mod:fn", "n=1", "n=2"], "worker argument 'n' is given twice"),
+    (["launch", "pkg.mod:fn", "1n=1"], "'1n' is not a Python parameter name"),
+    (["launch", "numel=3", "pkg.mod:fn"], "the target ('package.module:function') comes before"),
+    (["launch", "pkg.mod:fn", "--output", "some"], "argument --output: invalid choice"),
+    (["doctor", "--verbose"], "unrecognized arguments: --verbose"),
+])
+def test_launch_refuses_bad_command_lines(argv: list[str], message: str, no_launch: list[Any],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    err = _error(argv, capsys)
+    assert message in err, err
+    assert err.startswith(f"usage: lslm {argv[0]}")
+    assert no_launch == []
+
+
+def test_launch_help_explains_and_shows_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["launch", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "key=value" in text and "options may come before or" in text and "examples:" in text
+    for help_text in ("processes per node", "torchrun agents", "seconds before every rank is stopped",
+                      "whose printed lines", "sets LSLM_DEVICE", "sets LSLM_BACKEND"):  # every option explained
+        assert help_text in " ".join(text.split()), help_text
