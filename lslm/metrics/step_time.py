@@ -218,7 +218,10 @@ def fit_ring(sizes: Sequence[float], times: Sequence[float], n: int) -> LinkCost
 
     At one ``n`` the beta and gamma terms are both proportional to ``S``, so they cannot be told
     apart: the fit returns ``gamma = 0`` and a ``beta`` that includes the reduction (``beta + gamma/2``).
-    A coefficient that comes out negative is set to 0 and the other refitted.
+    A coefficient that comes out negative is non-physical (noisy small messages can pull the
+    joint fit there): the per-byte cost is then the slope between the smallest and the largest
+    message, and alpha what is left of the smallest one's time; only times that fall with size
+    give ``beta = 0``.
     """
     import numpy as np
 
@@ -230,9 +233,11 @@ def fit_ring(sizes: Sequence[float], times: Sequence[float], n: int) -> LinkCost
     t = np.asarray(times, dtype=float)
     A = np.array([[2 * (n - 1), 2 * (n - 1) / n * s] for s in sizes], dtype=float) / t[:, None]
     coef, *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
-    if coef[0] < 0 or coef[1] < 0:  # non-physical: keep the other term alone
-        keep = 1 if coef[0] < 0 else 0
-        one, *_ = np.linalg.lstsq(A[:, [keep]], np.ones_like(t), rcond=None)
-        coef = np.zeros(2)
-        coef[keep] = max(0.0, float(one[0]))
-    return LinkCost(float(coef[0]), float(coef[1]), 0.0)
+    if coef[0] >= 0 and coef[1] >= 0:
+        return LinkCost(float(coef[0]), float(coef[1]), 0.0)
+    lo, hi = int(np.argmin(sizes)), int(np.argmax(sizes))
+    per_byte = 2 * (n - 1) / n
+    slope = (t[hi] - t[lo]) / (per_byte * (sizes[hi] - sizes[lo])) if sizes[hi] > sizes[lo] else 0.0
+    beta = max(0.0, float(slope))
+    alpha = max(0.0, float(t[lo] - per_byte * sizes[lo] * beta) / (2 * (n - 1)))
+    return LinkCost(alpha, beta, 0.0)
