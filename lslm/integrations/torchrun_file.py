@@ -6,7 +6,9 @@ such function to call. :func:`torchrun_file` runs exactly that command line
 (``python -m torch.distributed.run`` is what the ``torchrun`` executable runs), on a free
 port, streams its output, and raises :class:`~lslm.runtime.launch_errors.LaunchError`
 when torchrun exits with an error, so a notebook cell fails with the job (``!torchrun``
-in a cell would not). On a timeout or an interrupt every process of the job is stopped.
+in a cell would not). On a timeout or an interrupt every process of the job is stopped;
+torchrun runs inside :mod:`lslm.runtime.agent`, as for ``lslm.launch``, so it also dies with
+this process.
 """
 
 from __future__ import annotations
@@ -14,16 +16,19 @@ from __future__ import annotations
 import os
 import queue
 import shlex
+import shutil
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from lslm.runtime.launch import torchrun_command
+from lslm.runtime.launch import _drain, _finish_reading, _reader, torchrun_command
 from lslm.runtime.launch_checks import positive_int, timeout_seconds
 from lslm.runtime.launch_errors import LaunchError, LaunchTimeout
-from lslm.runtime.process_tree import kill_tree
+from lslm.runtime.process_tree import deferred_signals, kill_tree
 from lslm.runtime.startup import free_port
 
 __all__ = ["shell_line", "torchrun_file"]
@@ -51,41 +56,36 @@ def torchrun_file(script: str | os.PathLike[str], args: Sequence[str] = (), npro
     limit = timeout_seconds(timeout)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "LOGLEVEL": "ERROR", **(env or {})}
     full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    cmd = [*torchrun_command(nproc, port=free_port()), str(path), *map(str, args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            text=True, bufsize=1, env=full_env, start_new_session=True)
+    # torchrun runs inside lslm's agent, as for lslm.launch: if this Python dies (a kernel restarted),
+    # the agent gets a parent-death signal and torchrun stops the workers; no orphans.
+    # torchrun's log folders go into a folder of ours, removed on every exit path (by the agent if we die).
+    logs = tempfile.mkdtemp(prefix="lslm-torchrun-")
+    agent = [sys.executable, "-m", "lslm.runtime.agent", "--parent", str(os.getpid()), "--launch-dir", logs, "--"]
+    cmd = [*agent, *torchrun_command(nproc, port=free_port(), log_dir=logs)[3:], str(path), *map(str, args)]
     lines: list[str] = []
     q: queue.Queue[str | None] = queue.Queue()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            q.put(line.rstrip("\n"))
-        q.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
-    start, ended = time.perf_counter(), False
+    output = "none" if quiet else "all"
+    with deferred_signals():  # a Ctrl-C right now must not leave a started agent untracked
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                text=True, bufsize=1, env=full_env, start_new_session=True)
+        threading.Thread(target=_reader, args=(proc, q), daemon=True).start()
+    start = time.perf_counter()
     try:
         # Print from this thread: in Jupyter, output printed by other threads can land in another cell.
-        while not ended:
+        while proc.poll() is None:
             if time.perf_counter() - start > limit:
                 raise LaunchTimeout(f"{path.name} on {nproc} processes did not finish within {limit:g} s; "
                                     "all its processes were stopped", output="\n".join(lines))
-            try:
-                item = q.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if item is None:
-                ended = True
-            else:
-                lines.append(item)
-                if not quiet:
-                    print(item, flush=True)
-        code = proc.wait(timeout=max(1.0, limit - (time.perf_counter() - start)))
+            _drain(q, lines, output)
+            time.sleep(0.02)
+        _finish_reading(q, lines, output, 1)
+        code = proc.returncode
     finally:
         if proc.poll() is None:
-            kill_tree([proc.pid])
-            proc.wait(timeout=5.0)
+            with deferred_signals():  # a second Ctrl-C must not cut the clean-up short
+                kill_tree([proc.pid])
+                proc.wait(timeout=5.0)
+        shutil.rmtree(logs, ignore_errors=True)
     if code != 0:
         tail = "\n".join(lines[-20:])
         raise LaunchError(f"torchrun {path.name} exited with code {code}; last lines:\n{tail}", output="\n".join(lines))
