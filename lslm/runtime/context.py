@@ -85,6 +85,9 @@ class ParallelContext:
     world_group: Any = None
     comm: Comm = field(default_factory=Comm)
     timeout_s: float | None = None
+    #: Model-parallel RNG streams (a :class:`lslm.tensor_parallel.random.RNGStatesTracker`), set by
+    #: :func:`lslm.tensor_parallel.random.model_parallel_seed`; ``None`` until a technique needs them.
+    rng: Any = None
     _groups: dict[tuple[str, ...], Any] = field(default_factory=dict, repr=False)
     _mesh: Any = field(default=None, repr=False)
 

@@ -1,0 +1,105 @@
+"""The column-parallel matmul with its communication inside the backward, where it can overlap.
+
+One autograd function, three modes (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``):
+
+* **plain** (no sequence parallelism, no overlap): the input passes through ``f``
+  (:func:`~lslm.tensor_parallel.mappings.copy_to_tensor_parallel_region`) first, so the input
+  gradient is all-reduced by ``f``'s backward, after this matmul's backward has finished.
+* **async all-reduce**: this function all-reduces the input gradient itself, *asynchronously*,
+  and computes the weight gradient while the all-reduce is in flight; it waits before
+  returning. The input gradient is needed by the layer below, the weight gradient by nobody
+  until the optimizer: computing the one while communicating the other hides the
+  communication (Narayanan et al. 2021, Section 4.2; Megatron's ``--async-tensor-model-parallel-allreduce``).
+* **sequence parallel**: the input arrives split along the sequence. Forward all-gathers it;
+  backward reduce-scatters the input gradient (asynchronously, overlapped with the weight
+  gradient the same way). With ``regather`` only the slice is saved for backward and the full
+  input is all-gathered again there (Korthikanti et al. 2022, Section 4.2.2): activation
+  memory ``1/t`` for one more all-gather per layer.
+
+``overlap_log``, if a list, receives per backward the ``perf_counter`` times at which the
+weight-gradient matmul started and ended, next to the ledger record of the collective it
+overlapped, so the overlap is measured from the ledger's issue/complete times.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd import Function
+
+from lslm.runtime.context import ParallelContext
+from lslm.tensor_parallel.mappings import (
+    SEQUENCE_DIM,
+    all_gather_along,
+    bwd_label,
+    copy_to_tensor_parallel_region,
+    fwd_label,
+    reduce_scatter_along,
+)
+
+__all__ = ["linear_with_tp_communication"]
+
+
+class _LinearWithTPCommunication(Function):
+    @staticmethod
+    def forward(fn: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pctx: ParallelContext,
+                label: str, sequence_parallel: bool, regather: bool, async_allreduce: bool,
+                overlap_log: list[dict[str, Any]] | None) -> torch.Tensor:
+        fn.pctx, fn.label, fn.sp, fn.regather = pctx, label, sequence_parallel, regather
+        fn.async_allreduce, fn.overlap_log, fn.has_bias = async_allreduce, overlap_log, bias is not None
+        if sequence_parallel:
+            total = all_gather_along(x, pctx, SEQUENCE_DIM, fwd_label(label))[0]
+            fn.save_for_backward(x if regather else total, weight)
+        else:
+            total = x
+            fn.save_for_backward(x, weight)
+        out = total.matmul(weight.t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(fn: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        saved, weight = fn.saved_tensors
+        pctx, ledger = fn.pctx, fn.pctx.comm.ledger
+        if fn.sp and fn.regather:
+            total = all_gather_along(saved, pctx, SEQUENCE_DIM, bwd_label(f"{fn.label} regather"))[0]
+        else:
+            total = saved
+        grad_input = grad_out.matmul(weight)
+        work, comm_index = None, len(ledger.records)
+        if fn.sp:
+            grad_input, work = reduce_scatter_along(grad_input, pctx, SEQUENCE_DIM, bwd_label(fn.label),
+                                                    async_op=True)
+        elif fn.async_allreduce:
+            grad_input = grad_input.contiguous()
+            work = pctx.comm.all_reduce(grad_input, group=pctx.tp_group, async_op=True, label=bwd_label(fn.label))
+        start = time.perf_counter()
+        # The weight gradient runs while the collective above is in flight.
+        flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_weight = flat_grad.t().matmul(total.reshape(-1, total.shape[-1]))
+        grad_bias = flat_grad.sum(dim=0) if fn.has_bias else None
+        end = time.perf_counter()
+        if work is not None:
+            work.wait()
+            if fn.overlap_log is not None:
+                fn.overlap_log.append({"record": ledger.records[comm_index] if comm_index < len(ledger.records)
+                                       else None, "wgrad_start_s": start, "wgrad_end_s": end})
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def linear_with_tp_communication(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                 pctx: ParallelContext, *, label: str, sequence_parallel: bool = False,
+                                 regather: bool = True, async_allreduce: bool = False,
+                                 overlap_log: list[dict[str, Any]] | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a column-parallel shard, with the tensor-parallel communication of its input.
+
+    See the module doc for the three modes. On a group of one rank it is a plain linear layer.
+    """
+    if pctx.tp_size == 1:
+        return F.linear(x, weight, bias)
+    if not sequence_parallel and not async_allreduce:
+        return F.linear(copy_to_tensor_parallel_region(x, pctx, label), weight, bias)
+    return _LinearWithTPCommunication.apply(x, weight, bias, pctx, label, sequence_parallel, regather,
+                                            async_allreduce, overlap_log)

@@ -1,0 +1,206 @@
+"""The communication of tensor parallelism as autograd functions that come in conjugate pairs.
+
+Megatron-LM (Shoeybi et al. 2019, Section 3, Figure 3) names two operators around an
+MLP split column-then-row: ``f`` is the identity forward and an all-reduce backward;
+``g`` is an all-reduce forward and the identity backward. Each is the other's
+transpose, and every mapping here is paired the same way (forward op / backward op):
+
+==========================================  ==========================  ============================
+function                                    forward                     backward
+==========================================  ==========================  ============================
+:func:`copy_to_tensor_parallel_region` f    identity                    all-reduce
+:func:`reduce_from_tensor_parallel_region` g all-reduce                 identity
+:func:`scatter_to_tensor_parallel_region`   keep my slice (last dim)    all-gather (last dim)
+:func:`gather_from_tensor_parallel_region`  all-gather (last dim)       keep my slice
+:func:`scatter_to_sequence_parallel_region` keep my slice (sequence)    all-gather (sequence)
+:func:`gather_from_sequence_parallel_region` all-gather (sequence)      reduce-scatter (sequence)
+:func:`reduce_scatter_to_sequence_parallel_region` reduce-scatter (seq)  all-gather (sequence)
+==========================================  ==========================  ============================
+
+The sequence-parallel pair (Korthikanti et al. 2022, Section 4.2.2, Figure 5: ``g`` and
+``ḡ``) replaces one all-reduce by a reduce-scatter plus an all-gather of the same total
+volume, so that the LayerNorm and dropout regions between them hold ``1/t`` of the
+sequence. Activations here are batch-first ``(B, T, C)``, so "sequence" is ``dim=1``
+by default (Megatron keeps ``(T, B, C)`` and uses dim 0).
+
+Every call goes through ``pctx.comm`` on ``pctx.tp_group``; the ledger label is the
+caller's ``label`` plus ``" fwd"`` or ``" bwd"``, so a test can count a layer's forward
+and backward traffic separately. On a tensor-parallel group of one rank every mapping
+is the identity (slices are the whole tensor) and nothing is recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd import Function
+
+from lslm.runtime.context import ParallelContext
+
+__all__ = [
+    "all_gather_along", "copy_to_tensor_parallel_region", "fwd_label", "bwd_label",
+    "gather_from_sequence_parallel_region", "gather_from_tensor_parallel_region",
+    "reduce_from_tensor_parallel_region", "reduce_scatter_along", "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region", "scatter_to_tensor_parallel_region", "split_along",
+]
+
+SEQUENCE_DIM = 1
+
+
+def fwd_label(label: str) -> str:
+    """The ledger label of a mapping's forward communication."""
+    return f"{label} fwd"
+
+
+def bwd_label(label: str) -> str:
+    """The ledger label of a mapping's backward communication."""
+    return f"{label} bwd"
+
+
+# -- the collectives, along any dimension ------------------------------------------------------------------
+def all_reduce(x: torch.Tensor, pctx: ParallelContext, label: str) -> torch.Tensor:
+    """Sum ``x`` over the tensor-parallel group (a new contiguous tensor; ``x`` is not modified)."""
+    out = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
+    pctx.comm.all_reduce(out, group=pctx.tp_group, label=label)
+    return out
+
+
+def split_along(x: torch.Tensor, pctx: ParallelContext, dim: int) -> torch.Tensor:
+    """This rank's contiguous slice of ``x`` along ``dim`` (``tp_size`` equal slices; ValueError if not divisible)."""
+    t = pctx.tp_size
+    if x.shape[dim] % t:
+        raise ValueError(f"dimension {dim} of a tensor of shape {tuple(x.shape)} has size {x.shape[dim]}, "
+                         f"which does not split into tp={t} equal parts")
+    return x.chunk(t, dim=dim)[pctx.tp_rank].contiguous()
+
+
+def all_gather_along(x: torch.Tensor, pctx: ParallelContext, dim: int, label: str,
+                     async_op: bool = False) -> tuple[torch.Tensor, Any]:
+    """Concatenate every rank's ``x`` along ``dim`` in rank order; returns ``(result, work or None)``.
+
+    ``all_gather_into_tensor`` concatenates along the first dimension, so ``dim`` is moved
+    to the front and back (the result is a view of the gathered buffer).
+    """
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((pctx.tp_size * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
+    work = pctx.comm.all_gather_into_tensor(out, front, group=pctx.tp_group, async_op=async_op, label=label)
+    return out.movedim(0, dim), work
+
+
+def reduce_scatter_along(x: torch.Tensor, pctx: ParallelContext, dim: int, label: str,
+                         async_op: bool = False) -> tuple[torch.Tensor, Any]:
+    """Sum ``x`` over the group and keep this rank's slice along ``dim``; returns ``(result, work or None)``."""
+    t = pctx.tp_size
+    if x.shape[dim] % t:
+        raise ValueError(f"cannot reduce-scatter dimension {dim} of size {x.shape[dim]} over tp={t} ranks")
+    front = x.movedim(dim, 0).contiguous()
+    out = torch.empty((front.shape[0] // t, *front.shape[1:]), dtype=x.dtype, device=x.device)
+    work = pctx.comm.reduce_scatter_tensor(out, front, group=pctx.tp_group, async_op=async_op, label=label)
+    return out.movedim(0, dim), work
+
+
+# -- the autograd functions --------------------------------------------------------------------------------
+class _CopyToRegion(Function):
+    @staticmethod
+    def forward(fn: Any, x: torch.Tensor, pctx: ParallelContext, label: str) -> torch.Tensor:
+        fn.pctx, fn.label = pctx, label
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(fn: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return all_reduce(grad, fn.pctx, bwd_label(fn.label)), None, None
+
+
+class _ReduceFromRegion(Function):
+    @staticmethod
+    def forward(fn: Any, x: torch.Tensor, pctx: ParallelContext, label: str) -> torch.Tensor:
+        return all_reduce(x, pctx, fwd_label(label))
+
+    @staticmethod
+    def backward(fn: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad, None, None
+
+
+class _ScatterToRegion(Function):
+    @staticmethod
+    def forward(fn: Any, x: torch.Tensor, pctx: ParallelContext, dim: int, label: str) -> torch.Tensor:
+        fn.pctx, fn.dim, fn.label = pctx, dim, label
+        return split_along(x, pctx, dim)
+
+    @staticmethod
+    def backward(fn: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return all_gather_along(grad, fn.pctx, fn.dim, bwd_label(fn.label))[0], None, None, None
+
+
+class _GatherFromRegion(Function):
+    @staticmethod
+    def forward(fn: Any, x: torch.Tensor, pctx: ParallelContext, dim: int, label: str,
+                grad_reduce_scatter: bool) -> torch.Tensor:
+        fn.pctx, fn.dim, fn.label, fn.rs = pctx, dim, label, grad_reduce_scatter
+        return all_gather_along(x, pctx, dim, fwd_label(label))[0]
+
+    @staticmethod
+    def backward(fn: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        if fn.rs:  # every rank used the whole gathered tensor: sum their gradients, keep my slice
+            out = reduce_scatter_along(grad, fn.pctx, fn.dim, bwd_label(fn.label))[0]
+        else:  # every rank holds the same gradient of the gathered tensor: my slice is mine
+            out = split_along(grad, fn.pctx, fn.dim)
+        return out, None, None, None, None
+
+
+class _ReduceScatterToRegion(Function):
+    @staticmethod
+    def forward(fn: Any, x: torch.Tensor, pctx: ParallelContext, dim: int, label: str) -> torch.Tensor:
+        fn.pctx, fn.dim, fn.label = pctx, dim, label
+        return reduce_scatter_along(x, pctx, dim, fwd_label(label))[0]
+
+    @staticmethod
+    def backward(fn: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return all_gather_along(grad, fn.pctx, fn.dim, bwd_label(fn.label))[0], None, None, None
+
+
+def _alone(pctx: ParallelContext) -> bool:
+    return pctx.tp_size == 1
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, pctx: ParallelContext, label: str = "tp") -> torch.Tensor:
+    """Megatron's ``f``: identity forward; all-reduce of the gradient backward (the input fed every rank's shard)."""
+    return x if _alone(pctx) else _CopyToRegion.apply(x, pctx, label)
+
+
+def reduce_from_tensor_parallel_region(x: torch.Tensor, pctx: ParallelContext, label: str = "tp") -> torch.Tensor:
+    """Megatron's ``g``: all-reduce forward (sum the partial outputs); identity backward."""
+    return x if _alone(pctx) else _ReduceFromRegion.apply(x, pctx, label)
+
+
+def scatter_to_tensor_parallel_region(x: torch.Tensor, pctx: ParallelContext, label: str = "tp") -> torch.Tensor:
+    """Keep this rank's slice of the last dimension forward; all-gather the gradient backward."""
+    return x if _alone(pctx) else _ScatterToRegion.apply(x, pctx, -1, label)
+
+
+def gather_from_tensor_parallel_region(x: torch.Tensor, pctx: ParallelContext, label: str = "tp") -> torch.Tensor:
+    """All-gather the last dimension forward; keep this rank's slice of the gradient backward."""
+    return x if _alone(pctx) else _GatherFromRegion.apply(x, pctx, -1, label, False)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, pctx: ParallelContext, label: str = "sp",
+                                        dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """Keep this rank's slice of the sequence forward; all-gather the gradient backward."""
+    return x if _alone(pctx) else _ScatterToRegion.apply(x, pctx, dim, label)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, pctx: ParallelContext, label: str = "sp",
+                                         dim: int = SEQUENCE_DIM, grad_reduce_scatter: bool = True) -> torch.Tensor:
+    """All-gather the sequence forward (Korthikanti's ``g``); reduce-scatter the gradient backward.
+
+    ``grad_reduce_scatter=False`` keeps only this rank's slice of the gradient instead, for a
+    gathered tensor whose gradient is already identical on every rank.
+    """
+    return x if _alone(pctx) else _GatherFromRegion.apply(x, pctx, dim, label, grad_reduce_scatter)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, pctx: ParallelContext, label: str = "sp",
+                                               dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """Reduce-scatter along the sequence forward (Korthikanti's ``ḡ``); all-gather the gradient backward."""
+    return x if _alone(pctx) else _ReduceScatterToRegion.apply(x, pctx, dim, label)

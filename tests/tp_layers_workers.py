@@ -1,0 +1,153 @@
+"""Workers for tests/test_tp_layers.py: every tensor-parallel layer against its single-process torch reference.
+
+One launch per world size runs every case; each rank returns the largest absolute
+difference per (case, quantity) and the ledger counts, and the test asserts on them.
+Every rank builds the full reference itself from one seed (no tensors shipped around).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lslm.runtime import init_distributed
+from lslm.runtime.context import ParallelContext
+from lslm.tensor_parallel.cross_entropy import gather_logits, vocab_parallel_cross_entropy
+from lslm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from lslm.tensor_parallel.vocab import pad_vocab_size
+
+B, T, C, OUT = 2, 8, 12, 16  # T, OUT divide by 2 and 4; C=12 too
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
+    return (a.detach() - b.detach()).abs().max().item()
+
+
+def _input(seed: int, *shape: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g)
+
+
+def _seq_slice(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
+    return x.chunk(pctx.tp_size, dim=1)[pctx.tp_rank]
+
+
+def _col_slice(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
+    return x.chunk(pctx.tp_size, dim=-1)[pctx.tp_rank]
+
+
+def _column(pctx: ParallelContext, *, gather: bool = False, sp: bool = False, async_ar: bool = False,
+            regather: bool = True) -> dict[str, float]:
+    torch.manual_seed(1)
+    ref = nn.Linear(C, OUT)
+    x_full = _input(2, B, T, C).requires_grad_()
+    y_ref = ref(x_full)
+    g_out = _input(3, B, T, OUT)
+    y_ref.backward(g_out)
+    layer = ColumnParallelLinear.from_linear(ref, pctx, gather_output=gather, sequence_parallel=sp,
+                                             async_grad_allreduce=async_ar, regather_input=regather, label="col")
+    x = (_seq_slice(x_full, pctx) if sp else x_full).detach().clone().requires_grad_()
+    y = layer(x)
+    y.backward(g_out if gather else _col_slice(g_out, pctx))
+    want_x = _seq_slice(x_full.grad, pctx) if sp else x_full.grad
+    return {"out": _diff(y, y_ref if gather else _col_slice(y_ref, pctx)),
+            "grad_x": _diff(x.grad, want_x),
+            "grad_w": _diff(layer.weight.grad, ref.weight.grad.chunk(pctx.tp_size, 0)[pctx.tp_rank]),
+            "grad_b": _diff(layer.bias.grad, ref.bias.grad.chunk(pctx.tp_size, 0)[pctx.tp_rank])}
+
+
+def _row(pctx: ParallelContext, *, parallel_input: bool = True, sp: bool = False) -> dict[str, float]:
+    torch.manual_seed(4)
+    ref = nn.Linear(OUT, C)
+    x_full = _input(5, B, T, OUT).requires_grad_()
+    y_ref = ref(x_full)
+    g_out = _input(6, B, T, C)
+    y_ref.backward(g_out)
+    layer = RowParallelLinear.from_linear(ref, pctx, input_is_parallel=parallel_input, sequence_parallel=sp,
+                                          label="row")
+    x = (_col_slice(x_full, pctx) if parallel_input else x_full).detach().clone().requires_grad_()
+    y = layer(x)
+    y.backward(_seq_slice(g_out, pctx) if sp else g_out)
+    grad_b = layer.bias.grad.clone()
+    if sp:  # a partial sum over this rank's part of the sequence: the sync sums it
+        pctx.comm.all_reduce(grad_b, group=pctx.tp_group, label="test")
+    return {"out": _diff(y, _seq_slice(y_ref, pctx) if sp else y_ref),
+            "grad_x": _diff(x.grad, _col_slice(x_full.grad, pctx) if parallel_input else x_full.grad),
+            "grad_w": _diff(layer.weight.grad, ref.weight.grad.chunk(pctx.tp_size, 1)[pctx.tp_rank]),
+            "grad_b": _diff(grad_b, ref.bias.grad)}
+
+
+def _embedding(pctx: ParallelContext, *, sp: bool = False) -> dict[str, float]:
+    vocab = 37  # odd: padded
+    torch.manual_seed(7)
+    ref = nn.Embedding(vocab, C)
+    idx = torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(8))
+    y_ref = ref(idx)
+    g_out = _input(9, B, T, C)
+    y_ref.backward(g_out)
+    layer = VocabParallelEmbedding.from_embedding(ref, pctx, num_embeddings=pad_vocab_size(vocab, pctx.tp_size),
+                                                  sequence_parallel=sp, label="emb")
+    y = layer(idx)
+    y.backward(_seq_slice(g_out, pctx) if sp else g_out)
+    padded = torch.zeros(layer.num_embeddings, C)
+    padded[:vocab] = ref.weight.grad
+    return {"out": _diff(y, _seq_slice(y_ref, pctx) if sp else y_ref),
+            "grad_w": _diff(layer.weight.grad, padded[layer.vocab_start:layer.vocab_end])}
+
+
+def _cross_entropy(pctx: ParallelContext) -> dict[str, float]:
+    vocab = 37
+    padded = pad_vocab_size(vocab, pctx.tp_size)
+    logits_full = _input(10, B, T, vocab) * 3
+    targets = torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(11))
+    targets[0, :3] = -100
+    ref_logits = logits_full.clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    ref.backward()
+    pad = torch.zeros(B, T, padded)
+    pad[..., :vocab] = logits_full
+    pad[..., vocab:] = 100.0  # padding columns with huge logits: masking must ignore them
+    local = _col_slice(pad, pctx).clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, targets, pctx, vocab_size=vocab)
+    loss.backward()
+    grad_pad = torch.zeros(B, T, padded)
+    grad_pad[..., :vocab] = ref_logits.grad
+    return {"loss": abs(loss.item() - ref.item()), "grad": _diff(local.grad, _col_slice(grad_pad, pctx)),
+            "gathered": _diff(gather_logits(local, pctx, vocab), logits_full)}
+
+
+CASES: dict[str, Callable[[ParallelContext], dict[str, float]]] = {
+    "column": _column,
+    "column_gather": lambda p: _column(p, gather=True),
+    "column_async": lambda p: _column(p, async_ar=True),
+    "column_sp": lambda p: _column(p, sp=True),
+    "column_sp_saved": lambda p: _column(p, sp=True, regather=False),
+    "row": _row,
+    "row_split_input": lambda p: _row(p, parallel_input=False),
+    "row_sp": lambda p: _row(p, sp=True),
+    "embedding": _embedding,
+    "embedding_sp": lambda p: _embedding(p, sp=True),
+    "cross_entropy": _cross_entropy,
+}
+
+
+def suite(**_: Any) -> dict[str, Any]:
+    """Run every case at tp = world size; return the differences and each case's ledger (op, label, count)."""
+    ctx = init_distributed(tp=int(__import__("os").environ["WORLD_SIZE"]))
+    out: dict[str, Any] = {"diffs": {}, "ledger": {}}
+    with ctx:
+        for name, case in CASES.items():
+            ctx.comm.ledger.reset()
+            out["diffs"][name] = case(ctx)
+            counts: dict[str, int] = {}
+            for r in ctx.comm.ledger.records:
+                if r.label != "test":
+                    key = f"{r.op}|{r.label}"
+                    counts[key] = counts.get(key, 0) + 1
+            out["ledger"][name] = counts
+    return out
