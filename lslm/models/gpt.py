@@ -78,8 +78,9 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: one fused ``c_attn`` projection to q, k, v, then ``c_proj``.
 
-    The number of heads is read from ``c_attn``'s output width at run time, so the
-    same code runs on a tensor-parallel rank that holds only some of the heads.
+    The number of heads and the sequence length are read from ``c_attn``'s output at run
+    time, so the same code runs on a tensor-parallel rank that holds only some of the heads
+    (and, with sequence parallelism, receives only a slice of the sequence).
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -93,9 +94,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, C) -> (B, T, C)``; position ``t`` attends to positions ``<= t`` only."""
-        B, T, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=-1)
-        n_head = q.shape[-1] // self.head_dim  # local heads (all of them without TP)
+        # Shapes come from the projection's output, not from x: under sequence parallelism
+        # x holds a slice of the sequence and c_attn returns the whole of it.
+        B, T, width = q.shape
+        n_head = width // self.head_dim  # local heads (all of them without TP)
         # (B, T, h*d) -> (B, h, T, d): attention runs per head.
         q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(
