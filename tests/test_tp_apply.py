@@ -1,0 +1,84 @@
+"""apply_tensor_parallel in one process: plans, bad sizes rejected before anything changes, what it builds.
+
+A fake process group (``tests.helpers.fake_world``) stands in for rank r of a larger
+world: sharding is real, collectives are no-ops, so shapes and errors can be checked
+at any tensor-parallel size without launching processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lslm.models.gpt import GPT, GPTConfig
+from lslm.runtime.context import ParallelContext
+from lslm.runtime.grid import RankGrid
+from lslm.tensor_parallel.apply import apply_tensor_parallel
+from lslm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tests.helpers import fake_world
+
+
+def _ctx(world: int, rank: int, tp: int) -> ParallelContext:
+    return ParallelContext.create(RankGrid.build(world, tp=tp), rank=rank, local_rank=rank, node_rank=0,
+                                  device=torch.device("cpu"), backend="fake", timeout_s=5)
+
+
+def test_heads_that_do_not_divide_are_rejected_before_any_module_changes() -> None:
+    with fake_world(0, 3):
+        model = GPT(GPTConfig.tiny())
+        before = {n: type(m) for n, m in model.named_modules()}
+        with pytest.raises(ValueError, match="n_head=4 attention heads cannot be split over tp=3"):
+            apply_tensor_parallel(model, _ctx(3, 0, 3))
+        assert {n: type(m) for n, m in model.named_modules()} == before
+        assert getattr(model, "tensor_parallel", None) is None
+
+
+def test_the_error_names_the_heads_and_the_tp_size() -> None:
+    # In the GPT every width is a multiple of the head count, so heads are what fails to divide
+    # (Llama's intermediate_size can fail on its own: tests/test_tp_hf.py).
+    with fake_world(1, 4):
+        model = GPT(GPTConfig.tiny(n_head=6, n_embd=60))
+        with pytest.raises(ValueError, match="n_head=6 attention heads cannot be split over tp=4"):
+            apply_tensor_parallel(model, _ctx(4, 1, 4))
+
+
+def test_the_plan_builds_megatron_layers_with_this_ranks_slices() -> None:
+    with fake_world(1, 4):
+        torch.manual_seed(0)
+        serial = GPT(GPTConfig.tiny(vocab_size=250))
+        torch.manual_seed(0)
+        model = apply_tensor_parallel(GPT(GPTConfig.tiny(vocab_size=250)), _ctx(4, 1, 4))
+        assert model.tensor_parallel.padded_vocab_size == 252
+        block = model.blocks[0]
+        assert isinstance(block.attn.c_attn, ColumnParallelLinear) and block.attn.c_attn.weight.shape == (48, 64)
+        assert isinstance(block.attn.c_proj, RowParallelLinear) and block.attn.c_proj.weight.shape == (64, 16)
+        assert isinstance(block.mlp.c_fc, ColumnParallelLinear) and block.mlp.c_fc.weight.shape == (64, 64)
+        assert isinstance(model.wte, VocabParallelEmbedding) and model.wte.weight.shape == (63, 64)
+        assert isinstance(model.lm_head, ColumnParallelLinear) and model.lm_head.weight.shape == (63, 64)
+        # rank 1 of 4 holds head 1 of q, k and v: rows 16..31 of each
+        full = serial.blocks[0].attn.c_attn.weight
+        assert torch.equal(block.attn.c_attn.weight, torch.cat([full[16:32], full[80:96], full[144:160]]))
+        assert torch.equal(block.attn.c_proj.weight, serial.blocks[0].attn.c_proj.weight[:, 16:32])
+        assert torch.equal(model.wte.weight, serial.wte.weight[63:126])
+        # replicated parameters are marked as such; LayerNorms are not sequence-parallel without SP
+        assert not block.ln_1.weight.tensor_model_parallel and not block.ln_1.weight.sequence_parallel
+        assert block.attn.c_attn.weight.tensor_model_parallel and block.attn.c_attn.weight.partition_dim == 0
+        assert block.attn.c_proj.weight.partition_dim == 1
+        with pytest.raises(ValueError, match="already tensor-parallel"):
+            apply_tensor_parallel(model, _ctx(4, 1, 4))
+
+
+def test_sequence_parallel_marks_the_replicated_parameters_with_partial_gradients() -> None:
+    with fake_world(0, 2):
+        model = apply_tensor_parallel(GPT(GPTConfig.tiny()), _ctx(2, 0, 2), sequence_parallel=True)
+        marked = sorted(n for n, p in model.named_parameters() if p.sequence_parallel)
+        assert marked == sorted(["wpe.weight", "ln_f.weight", "ln_f.bias"] +
+                                [f"blocks.{i}.{m}" for i in range(2) for m in (
+                                    "ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias",
+                                    "attn.c_proj.bias", "mlp.c_proj.bias")])
+
+
+def test_tied_weights_stay_tied() -> None:
+    with fake_world(0, 2):
+        model = apply_tensor_parallel(GPT(GPTConfig.tiny(tie_weights=True)), _ctx(2, 0, 2))
+        assert model.lm_head.weight is model.wte.weight and model.wte.weight.shape == (512, 64)
