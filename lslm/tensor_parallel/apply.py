@@ -235,6 +235,8 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, plan: TPPlan |
     opts = TPOptions(sequence_parallel=sequence_parallel, async_grad_allreduce=async_grad_allreduce,
                      regather_input=regather_input, vocab_multiple=vocab_multiple)
     padded = pad_vocab_size(plan.vocab_size, ctx.tp_size, vocab_multiple)
+    for check in plan.checks:
+        check(model, ctx)
     targets = [(name, module, style) for name, module in model.named_modules()
                if (style := _style_of(name, plan.styles)) is not None]
     if not targets:

@@ -77,6 +77,10 @@ class ColumnParallelLinear(nn.Module):
     * ``async_grad_allreduce`` (without sequence parallelism): the input-gradient
       all-reduce is started before the weight-gradient matmul and waited on after it,
       so the two overlap (Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``).
+    * ``input_comm=False``: no communication of the input at all, forward or backward: the
+      input is already whole on every rank and whoever made it whole owns its gradient's
+      reduction (a module-level sequence gather, as :mod:`lslm.tensor_parallel.hf_plans`
+      puts in front of Hugging Face attention and MLP blocks).
     * ``label``: the ledger label of this layer's communication (``apply_tensor_parallel``
       uses the module's name); ``overlap_log``: a list that receives one record per
       backward with the weight-gradient matmul's start and end times (to measure overlap).
@@ -85,12 +89,17 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, pctx: ParallelContext, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, regather_input: bool = True,
                  async_grad_allreduce: bool = False, label: str = "column", init_seed: int | None = None,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 input_comm: bool = True) -> None:
         super().__init__()
         _check_divides("out_features", out_features, pctx.tp_size)
         if gather_output and sequence_parallel:
             raise ValueError("gather_output=True and sequence_parallel=True do not combine: a sequence-parallel "
                              "column layer feeds a row-parallel one, which takes the output slices")
+        if sequence_parallel and not input_comm:
+            raise ValueError("sequence_parallel=True gathers the input inside the layer; input_comm=False means the "
+                             "input arrives whole: choose one")
+        self.input_comm = input_comm
         self.in_features, self.out_features, self.pctx = in_features, out_features, pctx
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.regather_input, self.async_grad_allreduce = regather_input, async_grad_allreduce
@@ -125,9 +134,12 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., in) -> (..., out/t)`` (or ``(..., out)`` with ``gather_output``)."""
-        y = linear_with_tp_communication(x, self.weight, self.bias, self.pctx, label=self.label,
-                                         sequence_parallel=self.sequence_parallel, regather=self.regather_input,
-                                         async_allreduce=self.async_grad_allreduce, overlap_log=self.overlap_log)
+        if not self.input_comm:  # the caller gathered the input and reduces its gradient
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = linear_with_tp_communication(x, self.weight, self.bias, self.pctx, label=self.label,
+                                             sequence_parallel=self.sequence_parallel, regather=self.regather_input,
+                                             async_allreduce=self.async_grad_allreduce, overlap_log=self.overlap_log)
         return gather_from_tensor_parallel_region(y, self.pctx, f"{self.label} gather") if self.gather_output else y
 
     def extra_repr(self) -> str:

@@ -91,7 +91,9 @@ class TPPlan:
     """Module-name patterns to styles, plus model-specific fixups and dropout placement (see the module doc).
 
     ``vocab_size`` is the true vocabulary (before padding); ``tied`` names the (head,
-    embedding) pair to re-tie after the swap.
+    embedding) pair to re-tie after the swap; ``checks`` are called with ``(model, ctx)``
+    before any module is replaced, to raise ``ValueError`` for sizes the styles alone
+    cannot see (query heads fewer than ``tp``).
     """
 
     styles: dict[str, Style]
@@ -100,3 +102,4 @@ class TPPlan:
     sharded_dropout: tuple[str, ...] = ()
     replicated_dropout: tuple[str, ...] = ()
     tied: tuple[str, str] | None = None
+    checks: list[Callable[[nn.Module, Any], None]] = field(default_factory=list)
