@@ -34,7 +34,9 @@ class Recipe:
 
     ``module`` is the import path whose ``worker`` / ``compare`` functions are the launch
     targets; ``check(cfg, world_size)`` raises ``ValueError`` for settings that cannot run
-    on ``world_size`` processes.
+    on ``world_size`` processes; ``grid(cfg)``, if given, returns the axis sizes the process
+    group is built with (``{"tp": 2}``: :func:`~lslm.runtime.init_distributed`'s arguments;
+    default: every rank data-parallel).
     """
 
     module: str
@@ -42,6 +44,11 @@ class Recipe:
     build: Callable[[Any, ParallelContext | None], Built]
     check: Callable[[Any, int], Any] | None = None
     description: str = ""
+    grid: Callable[[Any], dict[str, Any]] | None = None
+
+    def sizes(self, cfg: Any) -> dict[str, Any]:
+        """The grid axis sizes for ``cfg`` (``{}``: every rank data-parallel)."""
+        return self.grid(cfg) if self.grid is not None else {}
 
     def validate(self, cfg: Any, world_size: int) -> None:
         """Raise ``ValueError`` when ``cfg`` cannot run on ``world_size`` processes."""
@@ -62,7 +69,7 @@ def run_rank(recipe: Recipe, **kwargs: Any) -> dict[str, Any]:
     every rank's :func:`~lslm.harness.recipe.summarize` is gathered and rank 0 writes the run log.
     """
     cfg = recipe.config(**kwargs)
-    with init_distributed(device=_device(cfg), seed=cfg.seed) as ctx:
+    with init_distributed(**recipe.sizes(cfg), device=_device(cfg), seed=cfg.seed) as ctx:
         result = train_loop(cfg, recipe.build(cfg, ctx), ctx)
         if cfg.out:
             ranks = gather_summaries(ctx, summarize(result))
@@ -75,10 +82,12 @@ def run_many(recipe: Recipe, runs: Sequence[dict[str, Any]], **common: Any) -> l
     """Several runs one after another in *one* process group (no start-up cost per run).
 
     Run ``i`` uses ``config(**common, **runs[i])``, each from the same seed; returns this
-    rank's record of each run. The ledger is emptied between runs; ``out`` is ignored.
+    rank's record of each run. The ledger is emptied between runs; ``out`` is ignored. The
+    process group has the first run's grid; a recipe whose runs need other grids builds
+    their groups inside it.
     """
     cfgs = [recipe.config(**{**common, **r, "out": None}) for r in runs]
-    with init_distributed(device=_device(cfgs[0]), seed=cfgs[0].seed) as ctx:
+    with init_distributed(**recipe.sizes(cfgs[0]), device=_device(cfgs[0]), seed=cfgs[0].seed) as ctx:
         records = []
         for cfg in cfgs:
             ctx.comm.ledger.reset()

@@ -1,0 +1,214 @@
+"""Tensor-parallel training (Megatron-LM), optionally with sequence parallelism and data parallelism on top.
+
+The GPT of :mod:`lslm.recipes.train`, built from the same seed on every rank and then
+split by :func:`~lslm.tensor_parallel.apply.apply_tensor_parallel` over ``tp`` ranks;
+the remaining ``dp = world / tp`` groups of ranks are data-parallel replicas. The
+harness (:mod:`lslm.harness`) runs it::
+
+    torchrun --nproc-per-node=2 -m lslm.recipes.tp --tp 2 --steps 30 --out runs/tp.json
+    python -m lslm.recipes.tp --nproc 4 --tp 2 --sequence-parallel   # launches the processes itself
+    recipe.run(2, tp=2, steps=10)                                     # from a notebook
+
+**One step** on every rank: forward (the TP layers communicate inside it), the
+vocabulary-parallel cross-entropy on this rank's logits slice
+(:func:`~lslm.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy`), backward,
+:func:`~lslm.tensor_parallel.grads.sync_tensor_parallel_grads` (partial gradients of
+sequence-parallel parameters), :func:`~lslm.tensor_parallel.clip.average_data_parallel_grads`
+(over ``dp`` only: the ``tp`` ranks of a replica share one loss), the global-norm
+:func:`~lslm.tensor_parallel.clip.clip_grad_norm_`, and the baseline's AdamW.
+
+**Same run as the serial baseline.** ``batch_size`` is the global batch; each
+data-parallel replica gets ``batch_size / dp`` rows, dealt out as the DDP recipe does
+(:class:`~lslm.data.sampler.BaselineOrderSampler`): global batch ``i`` holds exactly
+the rows of the serial run's batch ``i``, and all TP ranks of a replica read the same
+rows. ``losses`` then reproduce ``lslm.recipes.train`` up to fp32 rounding.
+
+**What is counted, per step and rank** (the comm ledger): ``comm_bytes`` / ``comm_calls``
+are all of the step's communication, split into ``tp_comm_bytes`` (the layers'
+all-reduces, or reduce-scatters and all-gathers with sequence parallelism, the loss's
+all-reduces, the sequence-parallel gradient sync), ``dp_comm_bytes`` (the gradient
+average) and ``clip_comm_bytes`` (the one number of the squared norm).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from lslm.data.dataset import token_blocks
+from lslm.data.sampler import make_sampler
+from lslm.harness import Built, Marks, Recipe, StepTimer, launch_recipe, option, recipe_main, run_many, run_rank
+from lslm.harness import summarize as summarize_run
+from lslm.recipes.train import TrainConfig, build_model, make_optimizer
+from lslm.runtime.context import ParallelContext
+from lslm.runtime.grid import RankGrid, resolve_sizes
+from lslm.tensor_parallel.apply import apply_tensor_parallel
+from lslm.tensor_parallel.clip import CLIP_LABEL, DP_GRAD_LABEL, average_data_parallel_grads, clip_grad_norm_
+from lslm.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from lslm.tensor_parallel.grads import sync_tensor_parallel_grads
+
+__all__ = ["RECIPE", "TPConfig", "build", "check_config", "compare", "main", "run", "tp_context", "worker"]
+
+
+@dataclass
+class TPConfig(TrainConfig):
+    """A :class:`~lslm.recipes.train.TrainConfig` plus the tensor-parallel settings.
+
+    ``tp`` ranks split each layer; ``dp`` (default: the rest of the world) replicas
+    split the global ``batch_size``. Sizes that cannot work raise ``ValueError`` here or
+    in :func:`check_config`, before any process starts.
+    """
+
+    device: str = option("auto", help="'auto': CUDA + NCCL with one GPU per rank, else CPU + gloo")
+    tp: int = option(2, help="tensor-parallel size (ranks that split every layer)", ge=1)
+    dp: int | None = option(None, help="data-parallel size (default: world size / tp)", ge=1)
+    sequence_parallel: bool = option(False, help="split LayerNorm/dropout regions along the sequence (Korthikanti "
+                                             "et al. 2022)")
+    async_grad_allreduce: bool = option(False, help="overlap the input-gradient all-reduce with the weight gradient")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_head % self.tp:
+            raise ValueError(f"n_head={self.n_head} attention heads cannot be split over tp={self.tp} ranks "
+                             f"(each rank needs whole heads); choose tp dividing {self.n_head}")
+        if self.sequence_parallel and self.block_size % self.tp:
+            raise ValueError(f"sequence_parallel splits each sequence of block_size={self.block_size} tokens over "
+                             f"tp={self.tp} ranks; choose a block_size divisible by {self.tp}")
+        if self.dp is not None and self.batch_size % self.dp:
+            raise ValueError(f"global batch_size={self.batch_size} is not divisible by dp={self.dp} replicas")
+
+
+def check_config(cfg: TPConfig, world_size: int) -> int:
+    """Check that ``cfg`` runs on ``world_size`` processes; return the data-parallel size.
+
+    Raises ``ValueError`` when ``tp`` (times ``dp``, if given) does not tile the world or
+    the global batch does not split over the ``dp`` replicas.
+    """
+    dp = resolve_sizes(world_size, tp=cfg.tp, dp=cfg.dp)["dp"]
+    if cfg.batch_size % dp:
+        raise ValueError(f"global batch_size={cfg.batch_size} is not divisible by dp={dp} replicas "
+                         f"(= {world_size} processes / tp={cfg.tp}); use a multiple of {dp}")
+    return dp
+
+
+def tp_context(cfg: TPConfig, ctx: ParallelContext) -> ParallelContext:
+    """A context with ``cfg``'s ``tp x dp`` grid over ``ctx``'s processes, sharing its ledger.
+
+    ``ctx`` itself when its grid already is that one; otherwise the groups are created now
+    (collectively: every rank builds at the same time) inside the existing process group.
+    """
+    grid = RankGrid.build(ctx.world_size, tp=cfg.tp, dp=cfg.dp)
+    if ctx.grid.sizes == grid.sizes:
+        return ctx
+    return ParallelContext.create(grid, rank=ctx.rank, local_rank=ctx.local_rank, node_rank=ctx.node_rank,
+                                  device=ctx.device, backend=ctx.backend, timeout_s=ctx.timeout_s, comm=ctx.comm)
+
+
+def _batches(loader: DataLoader, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    epoch = 0
+    while True:
+        loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]  # a new order every epoch, alike on all ranks
+        for b in loader:
+            block = b["input_ids"].to(device)
+            yield block[:, :-1], block[:, 1:]
+        epoch += 1
+
+
+def build(cfg: TPConfig, ctx: ParallelContext) -> Built:
+    """The tensor-parallel technique on this rank: the split model, AdamW, this replica's batches, the timed step."""
+    dp = check_config(cfg, ctx.world_size)
+    tctx = tp_context(cfg, ctx)
+    model = apply_tensor_parallel(build_model(cfg).to(tctx.device), tctx, sequence_parallel=cfg.sequence_parallel,
+                                  async_grad_allreduce=cfg.async_grad_allreduce, rng_seed=cfg.seed)
+    model.train()
+    optimizer = make_optimizer(model, cfg)  # the baseline's AdamW on this rank's shards
+
+    blocks = token_blocks(cfg.block_size, cfg.vocab_size)
+    sampler = make_sampler(blocks, "baseline", rank=tctx.dp_rank, world_size=dp, seed=cfg.seed)
+    loader = DataLoader(blocks, batch_size=cfg.batch_size // dp, sampler=sampler, drop_last=True)
+    if len(loader) == 0:
+        raise ValueError(f"batch_size={cfg.batch_size} exceeds the {len(blocks)} blocks available; lower it")
+    ledger = tctx.comm.ledger
+    traffic: dict[str, int] = {}
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor], timer: StepTimer) -> torch.Tensor:
+        since = len(ledger.records)
+        x, y = batch
+        optimizer.zero_grad(set_to_none=True)
+        logits, _ = model(x)  # this rank's slice of the vocabulary
+        loss = vocab_parallel_cross_entropy(logits, y, tctx, vocab_size=cfg.vocab_size)
+        timer.mark("forward_end")
+        loss.backward()
+        timer.mark("backward_end")
+        sync_tensor_parallel_grads(model, tctx)
+        average_data_parallel_grads(model, tctx)
+        timer.mark("sync_end")
+        if cfg.grad_clip > 0:
+            clip_grad_norm_(model, cfg.grad_clip, tctx)
+        optimizer.step()
+        dp_bytes = ledger.total_bytes(label=DP_GRAD_LABEL, since=since)
+        clip_bytes = ledger.total_bytes(label=CLIP_LABEL, since=since)
+        traffic.update(tp_comm_bytes=ledger.total_bytes(since=since) - dp_bytes - clip_bytes,
+                       dp_comm_bytes=dp_bytes, clip_comm_bytes=clip_bytes)
+        return loss.detach()
+
+    def per_step(m: Marks) -> dict[str, Any]:
+        return {"compute_s": m.span("start", "backward_end"), "grad_sync_s": m.span("backward_end", "sync_end"),
+                "optimizer_s": m.span("sync_end", "end"), **traffic}
+
+    def log(now: dict[str, Any]) -> str:
+        return f"  TP traffic {now['tp_comm_bytes']:,} B  dp grads {now['dp_comm_bytes']:,} B"
+
+    info = {"tp_size": cfg.tp, "dp_size": dp, "sequence_parallel": cfg.sequence_parallel,
+            "padded_vocab_size": model.tensor_parallel.padded_vocab_size,
+            "tokens_per_step": cfg.batch_size * cfg.block_size}
+    return Built(model=model, optimizer=optimizer, step=step, batches=_batches(loader, tctx.device),
+                 device=tctx.device, per_step=per_step, count=(None, None), log=log, info=info,
+                 name=f"tp{cfg.tp}-dp{dp}" + ("-sp" if cfg.sequence_parallel else ""))
+
+
+RECIPE = Recipe("lslm.recipes.tp", TPConfig, build, check_config,
+                "Tensor-parallel (x data-parallel) training (run under torchrun, or pass --nproc).",
+                grid=lambda cfg: {"tp": cfg.tp, "dp": cfg.dp})
+
+
+def worker(**kwargs: Any) -> dict[str, Any]:
+    """One rank of a tensor-parallel run; ``kwargs`` are :class:`TPConfig` fields. Returns this rank's record."""
+    return run_rank(RECIPE, **kwargs)
+
+
+def compare(runs: list[dict[str, Any]], **common: Any) -> list[dict[str, Any]]:
+    """Several runs one after another in one process group; run ``i`` is ``TPConfig(**common, **runs[i])``."""
+    return run_many(RECIPE, runs, **common)
+
+
+def run(nproc: int = 2, *, runs: list[dict[str, Any]] | None = None, timeout: float = 600.0, output: str = "rank0",
+        **kwargs: Any) -> Any:
+    """Validate the settings for ``nproc`` ranks, then ``lslm.launch`` the job (see ``lslm.recipes.ddp.run``).
+
+    Without ``runs``: one record per rank; with ``runs``: ``result[rank][i]`` is run ``i``'s.
+    """
+    return launch_recipe(RECIPE, nproc, runs=runs, timeout=timeout, output=output, **kwargs)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Command line: under torchrun run this rank; otherwise launch ``--nproc`` ranks. Returns the records."""
+    cfg, results = recipe_main(RECIPE, argv)
+    first = results[0]
+    if first["rank"] == 0:
+        s = summarize_run(first)
+        losses = first["losses"]
+        sp = " with sequence parallelism" if cfg.sequence_parallel else ""
+        print(f"tp={first['tp_size']} x dp={first['dp_size']}{sp} on {first['world_size']} processes: "
+              f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {cfg.steps} steps; "
+              f"rank 0 median step {s['step_ms']:.1f} ms; per step {first['tp_comm_bytes'][-1]:,} B of TP traffic, "
+              f"{first['dp_comm_bytes'][-1]:,} B of dp gradients" + (f"; wrote {cfg.out}" if cfg.out else ""))
+    return results
+
+
+if __name__ == "__main__":
+    main()
