@@ -1,4 +1,4 @@
-"""``lslm bench launch|collectives|ddp``: the bench part of the ``lslm`` command (see :mod:`lslm.cli`).
+"""``lslm bench launch|collectives|ddp|tp``: the bench part of the ``lslm`` command (see :mod:`lslm.cli`).
 
 Each bench is its own sub-command with only the options it uses, so ``lslm bench ddp --help``
 lists ddp's options and an option of another bench is an error that names the bench it
@@ -91,6 +91,18 @@ def _ddp_options(p: argparse.ArgumentParser) -> None:
     _device(p)
 
 
+def _tp_options(p: argparse.ArgumentParser) -> None:
+    _nprocs(p, 2, "tensor parallelism needs peers")
+    p.add_argument("--steps", type=_int_at_least(1), default=None,
+                   help="timed training steps per entry (default: 15; 3 with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, few steps: checks structure, memory and counts, timings meaningless")
+    p.add_argument("--no-sp", action="store_true",
+                   help="leave out the sequence-parallel pair (lslm and DTensor, each with SP)")
+    _out(p, "tp")
+    _device(p)
+
+
 #: name -> (one-line help, what it measures, its options, an example)
 _BENCHES: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None], str]] = {
     "launch": ("start-up cost of a trivial job (lslm.launch wall time)",
@@ -107,6 +119,12 @@ _BENCHES: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None], s
             "data, round-robin in one launch per world size; sweeps the bucket size, reports the fraction "
             "of all-reduce time hidden behind backward and checks all-reduced bytes against gradient bytes.",
             _ddp_options, "lslm bench ddp --quick --nprocs 2"),
+    "tp": ("lslm tensor parallelism next to PyTorch DTensor's on one GPT, with and without SP",
+           "Trains the same GPT tensor-parallel with lslm's layers and with DTensor (parallelize_module, "
+           "loss_parallel), with and without sequence parallelism, round-robin in one launch per world size "
+           "(= tp); reports step time and its phases, memory per rank, collectives per step, and the "
+           "lslm / DTensor step-time ratio.",
+           _tp_options, "lslm bench tp --quick --nprocs 2 --steps 2"),
 }
 
 
@@ -122,7 +140,7 @@ BENCH_OPTIONS: dict[str, set[str]] = {name: _option_strings(spec[2]) for name, s
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add one sub-command per bench to ``p`` (the ``lslm bench`` parser), each with its own options."""
-    sub = p.add_subparsers(dest="name", required=True, metavar="{launch,collectives,ddp}",
+    sub = p.add_subparsers(dest="name", required=True, metavar="{launch,collectives,ddp,tp}",
                            title="benches", description="run `lslm bench NAME --help` for the options of one")
     for name, (short, long, add, example) in _BENCHES.items():
         sp = sub.add_parser(name, help=short, description=textwrap.fill(long, 80), formatter_class=_RAW,
@@ -159,6 +177,11 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
             sizes = tuple(k * 1024 for k in ns.sizes_kib) if ns.sizes_kib else collectives.DEFAULT_SIZES
             collectives.run(tuple(ns.nprocs), sizes, ns.repeats, out_dir=out_dir, device=ns.device)
+        elif ns.name == "tp":
+            from lslm.bench import tp
+
+            tp.run(tuple(ns.nprocs), quick=ns.quick, steps=ns.steps, sequence_parallel=not ns.no_sp,
+                   out_dir=out_dir, device=ns.device)
         else:
             from lslm.bench import ddp
 
