@@ -127,7 +127,8 @@ def per_layer_traffic_worker(tp: int, sequence_parallel: bool = False, async_gra
 def sp_drift_worker(tp: int = 2, steps: int = 8, sync: bool = True, seed: int = 0, batch: int = 4,
                     seq: int = 32) -> dict[str, Any]:
     """Train the tiny GPT with sequence parallelism, with or without the replicated-gradient sync; after every step,
-    the largest difference between TP ranks' copies of a replicated parameter (LayerNorm weights, biases)."""
+    the largest difference between TP ranks' copies of a replicated parameter (LayerNorm weights, biases), the same
+    number on every rank."""
     ctx = init_distributed(tp=tp, seed=seed)
     with ctx:
         torch.manual_seed(seed)
@@ -145,11 +146,13 @@ def sp_drift_worker(tp: int = 2, steps: int = 8, sync: bool = True, seed: int = 
             if sync:
                 sync_tensor_parallel_grads(model, ctx)
             opt.step()
-            worst = 0.0
+            worst = torch.zeros((), device=ctx.device)
             for p in replicated:
                 first = p.detach().clone()
                 ctx.comm.broadcast(first, src=ctx.group_ranks("tp")[0], group=ctx.tp_group, label="check")
-                worst = max(worst, (first - p.detach()).abs().max().item())
-            drift.append(worst)
+                worst = torch.maximum(worst, (first - p.detach()).abs().max())
+            # The largest over the TP ranks (TP rank 0 compares its copy with itself), on every rank.
+            ctx.comm.all_reduce(worst, op=torch.distributed.ReduceOp.MAX, group=ctx.tp_group, label="check")
+            drift.append(worst.item())
             losses.append(loss.item())
         return {"drift": drift, "losses": losses, "replicated_params": sum(p.numel() for p in replicated)}

@@ -9,7 +9,7 @@ One autograd function, three modes (Megatron-LM's ``LinearWithGradAccumulationAn
   and computes the weight gradient while the all-reduce is in flight; it waits before
   returning. The input gradient is needed by the layer below, the weight gradient by nobody
   until the optimizer: computing the one while communicating the other hides the
-  communication (Narayanan et al. 2021, Section 4.2; Megatron's ``--async-tensor-model-parallel-allreduce``).
+  communication (Megatron-LM's ``--async-tensor-model-parallel-allreduce``).
 * **sequence parallel**: the input arrives split along the sequence. Forward all-gathers it;
   backward reduce-scatters the input gradient (asynchronously, overlapped with the weight
   gradient the same way). With ``regather`` only the slice is saved for backward and the full
