@@ -82,3 +82,14 @@ def test_tied_weights_stay_tied() -> None:
     with fake_world(0, 2):
         model = apply_tensor_parallel(GPT(GPTConfig.tiny(tie_weights=True)), _ctx(2, 0, 2))
         assert model.lm_head.weight is model.wte.weight and model.wte.weight.shape == (512, 64)
+
+
+def test_the_notebook_demos_show_what_they_claim() -> None:
+    from lslm.demos import tensor_parallel_demo as demo
+
+    assert all(err < 1e-5 for err in demo.split_matmul(t=4).values())
+    orders = demo.mlp_orders(t=2)
+    assert orders["column_then_row_error"] < 1e-5 and orders["row_then_column_with_reduce_error"] < 1e-5
+    assert orders["row_then_column_without_reduce_error"] > 0.1  # GeLU of partial sums is not GeLU of the sum
+    trap = demo.qkv_trap(t=2)
+    assert trap["per_head_rows"] < 1e-5 and trap["plain_split"] > 0.1  # a plain chunk of the fused qkv is wrong

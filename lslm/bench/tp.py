@@ -155,7 +155,9 @@ def worker(model: dict[str, Any], batch: int, seq: int, sequence_parallel: bool 
         torch.set_num_threads(threads)
         dev, ledger, cfg = ctx.device, ctx.comm.ledger, GPTConfig(**model)
         g = torch.Generator().manual_seed(seed)  # the same tokens on every rank and for every entry
-        data = [torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=g).to(dev) for _ in range(warmup + steps)]
+        data = [torch.randint(0, cfg.vocab_size, (batch, seq + 1),
+                              generator=g).to(dev)  # lslm: cpu-ok (seeded, then moved)
+                for _ in range(warmup + steps)]
         built, losses, variants = [], {}, []
         for kind, sp in [(k, sp) for sp in (False, True)[:1 + sequence_parallel] for k in ("lslm", "dtensor")]:
             net, opt, step = _entry(kind, sp, cfg, ctx)

@@ -22,7 +22,8 @@ from lslm.tensor_parallel.grads import sync_tensor_parallel_grads
 from lslm.tensor_parallel.overlap import overlap_log, overlap_summary
 from lslm.tensor_parallel.qkv import qkv_rows
 
-__all__ = ["mlp_orders", "per_layer_traffic_worker", "qkv_trap", "sp_drift_worker", "split_matmul"]
+__all__ = ["mlp_orders", "per_layer_traffic_worker", "qkv_trap", "sp_drift_worker", "split_matmul",
+           "split_matmul_worker"]
 
 
 def split_matmul(t: int = 2, seed: int = 0) -> dict[str, float]:
@@ -31,12 +32,43 @@ def split_matmul(t: int = 2, seed: int = 0) -> dict[str, float]:
     Returns the largest difference of each from the unsplit product (fp32 rounding only).
     """
     g = torch.Generator().manual_seed(seed)
-    x, a = torch.randn(4, 8, generator=g), torch.randn(8, 12, generator=g)
+    x = torch.randn(4, 8, generator=g)  # lslm: cpu-ok (one process, no communication)
+    a = torch.randn(8, 12, generator=g)  # lslm: cpu-ok (one process, no communication)
     y = x @ a
     by_columns = torch.cat([x @ a_r for a_r in a.chunk(t, dim=1)], dim=1)  # each rank: all of X, its columns of A
     by_rows = sum(x_r @ a_r for x_r, a_r in zip(x.chunk(t, dim=1), a.chunk(t, dim=0)))  # its slice of X and rows of A
     return {"columns_then_concatenate": (by_columns - y).abs().max().item(),
             "rows_then_sum": (by_rows - y).abs().max().item()}
+
+
+def split_matmul_worker(seed: int = 0) -> dict[str, Any]:
+    """Launch target: the same two splits across real ranks, with lslm's layers and their collectives.
+
+    Every rank builds one ``nn.Linear`` from ``seed``; a :class:`ColumnParallelLinear` with
+    ``gather_output`` (all-gather) and a :class:`RowParallelLinear` fed the whole input
+    (it keeps its slice; all-reduce) each keep this rank's slice of its weights. Returns
+    each one's largest difference from the unsplit layer and the collectives it issued.
+    """
+    from lslm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    ctx = init_distributed(tp=int(__import__("os").environ.get("WORLD_SIZE", "1")), seed=seed)
+    with ctx:
+        torch.manual_seed(seed)
+        full = nn.Linear(8, 12).to(ctx.device)
+        seeded = torch.Generator().manual_seed(seed + 1)
+        x = torch.randn(4, 8, generator=seeded).to(ctx.device)  # lslm: cpu-ok (seeded, then moved)
+        out: dict[str, Any] = {"tp": ctx.tp_size, "rank": ctx.rank}
+        with torch.no_grad():
+            want = full(x)
+            for name, layer in (("by_columns", ColumnParallelLinear.from_linear(full, ctx, gather_output=True,
+                                                                                label="columns")),
+                                ("by_rows", RowParallelLinear.from_linear(full, ctx, input_is_parallel=False,
+                                                                          label="rows"))):
+                ctx.comm.ledger.reset()
+                got = layer(x)
+                out[name] = {"weight_shape": list(layer.weight.shape), "max_error": (got - want).abs().max().item(),
+                             "collectives": [r.op for r in ctx.comm.ledger.records]}
+        return out
 
 
 def mlp_orders(t: int = 2, seed: int = 0) -> dict[str, Any]:
@@ -50,7 +82,9 @@ def mlp_orders(t: int = 2, seed: int = 0) -> dict[str, Any]:
     order done without its extra collective, and the collectives each needs.
     """
     g = torch.Generator().manual_seed(seed)
-    x, a, b = torch.randn(4, 8, generator=g), torch.randn(8, 16, generator=g), torch.randn(16, 8, generator=g)
+    x = torch.randn(4, 8, generator=g)  # lslm: cpu-ok (one process, no communication)
+    a = torch.randn(8, 16, generator=g)  # lslm: cpu-ok (one process, no communication)
+    b = torch.randn(16, 8, generator=g)  # lslm: cpu-ok (one process, no communication)
     ref = F.gelu(x @ a) @ b
     col_row = sum(F.gelu(x @ a_r) @ b_r for a_r, b_r in zip(a.chunk(t, dim=1), b.chunk(t, dim=0)))
     partials = [x_r @ a_r for x_r, a_r in zip(x.chunk(t, dim=1), a.chunk(t, dim=0))]
@@ -71,7 +105,7 @@ def qkv_trap(t: int = 2, seed: int = 0) -> dict[str, float]:
     torch.manual_seed(seed)
     n_embd, n_head, T = 16, 4, 6
     c_attn = nn.Linear(n_embd, 3 * n_embd)
-    x = torch.randn(1, T, n_embd)
+    x = torch.randn(1, T, n_embd)  # lslm: cpu-ok (one process, no communication)
     head_dim = n_embd // n_head
 
     def attend(qkv: torch.Tensor) -> torch.Tensor:
@@ -104,13 +138,14 @@ def per_layer_traffic_worker(tp: int, sequence_parallel: bool = False, async_gra
     ctx = init_distributed(tp=tp, seed=seed)
     with ctx:
         torch.manual_seed(seed)
-        model = apply_tensor_parallel(GPT(_tiny()), ctx, sequence_parallel=sequence_parallel,
+        model = apply_tensor_parallel(GPT(_tiny()).to(ctx.device), ctx, sequence_parallel=sequence_parallel,
                                       async_grad_allreduce=async_grad_allreduce)
         log = overlap_log(model)
         g = torch.Generator().manual_seed(seed)
         records: list[list[Any]] = []
         for step in range(steps):
-            tok = torch.randint(0, model.tensor_parallel.vocab_size, (batch, seq + 1), generator=g)
+            tok = torch.randint(0, model.tensor_parallel.vocab_size, (batch, seq + 1),
+                                generator=g).to(ctx.device)  # lslm: cpu-ok (seeded, then moved)
             ctx.comm.ledger.reset()
             if step == 1:
                 log.clear()
@@ -132,13 +167,14 @@ def sp_drift_worker(tp: int = 2, steps: int = 8, sync: bool = True, seed: int = 
     ctx = init_distributed(tp=tp, seed=seed)
     with ctx:
         torch.manual_seed(seed)
-        model = apply_tensor_parallel(GPT(_tiny()), ctx, sequence_parallel=True)
+        model = apply_tensor_parallel(GPT(_tiny()).to(ctx.device), ctx, sequence_parallel=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         replicated = [p for p in model.parameters() if not p.tensor_model_parallel]
         g = torch.Generator().manual_seed(seed)
         drift, losses = [], []
         for _ in range(steps):
-            tok = torch.randint(0, model.tensor_parallel.vocab_size, (batch, seq + 1), generator=g)
+            tok = torch.randint(0, model.tensor_parallel.vocab_size, (batch, seq + 1),
+                                generator=g).to(ctx.device)  # lslm: cpu-ok (seeded, then moved)
             logits, _ = model(tok[:, :-1])
             loss = vocab_parallel_cross_entropy(logits, tok[:, 1:], ctx, vocab_size=model.tensor_parallel.vocab_size)
             opt.zero_grad()

@@ -127,7 +127,7 @@ def _measure(fn: Callable[[], torch.Tensor], model: nn.Module, attention: str
 
 def _block_input(s: int, b: int, h: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed + 1)
-    return torch.randn(b, s, h, generator=g)
+    return torch.randn(b, s, h, generator=g)  # lslm: cpu-ok (seeded CPU generator; callers move it)
 
 
 def serial_layer(s: int = 64, b: int = 2, h: int = 64, a: int = 8, *, dropout: float = 0.1, attention: str = "math",
@@ -142,7 +142,8 @@ def serial_layer(s: int = 64, b: int = 2, h: int = 64, a: int = 8, *, dropout: f
 
     _check_sizes(s, b, h, a, dropout, attention)
     whole = {}
-    tokens = torch.randint(128, (b, s + 1), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(128, (b, s + 1),
+                           generator=torch.Generator().manual_seed(seed))  # lslm: cpu-ok (serial, in-process)
     for n_layer in (1, 2):
         torch.manual_seed(seed)
         model = GPT(block_config(s, b, h, a, dropout, n_layer)).train()

@@ -152,7 +152,8 @@ def _head_rows(style: Colwise, out_features: int, pctx: ParallelContext) -> torc
             raise ValueError(f"{heads} key/value heads cannot be replicated evenly over tp={t} ranks; "
                              f"tp must divide or be a multiple of {heads}")
         mine = range(pctx.tp_rank * heads // t, pctx.tp_rank * heads // t + 1)
-    return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in mine])
+    return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim)  # lslm: cpu-ok (row indices, moved where used)
+                      for h in mine])
 
 
 def _convert(name: str, module: nn.Module, style: Style, pctx: ParallelContext, opts: TPOptions,

@@ -293,7 +293,9 @@ def compare_with_serial(ctx: ParallelContext, steps: int = 3, seed: int = 0) -> 
 
     cfg = GPTConfig.tiny(vocab_size=256)
     g = torch.Generator().manual_seed(seed)
-    data = [torch.randint(0, cfg.vocab_size, (4, 17), generator=g).to(ctx.device) for _ in range(steps)]
+    data = [torch.randint(0, cfg.vocab_size, (4, 17),
+                          generator=g).to(ctx.device)  # lslm: cpu-ok (seeded, then moved)
+            for _ in range(steps)]
 
     def train(kind: str, sp: bool = False) -> tuple[GPT, list[float]]:
         torch.manual_seed(seed)

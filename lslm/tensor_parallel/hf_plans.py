@@ -247,7 +247,8 @@ def hf_gpt2_logits_worker(tp: int = 2, vocab_size: int = 50257, n_layer: int = 2
             return build_hf_gpt2(vocab_size, seq, n_layer, n_head, n_embd, seed=0).to(ctx.device)
 
         ref = build()
-        x = torch.randint(0, vocab_size, (rows, seq), generator=torch.Generator().manual_seed(1)).to(ctx.device)
+        seeded = torch.Generator().manual_seed(1)
+        x = torch.randint(0, vocab_size, (rows, seq), generator=seeded).to(ctx.device)  # lslm: cpu-ok (then moved)
         out: dict[str, Any] = {"rank": ctx.rank, "tp_rank": ctx.tp_rank}
         with torch.no_grad():
             want = ref(input_ids=x).logits

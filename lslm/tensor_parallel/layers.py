@@ -106,9 +106,9 @@ class ColumnParallelLinear(nn.Module):
         self.label = label
         self.overlap_log: list[dict[str, Any]] | None = None
         self.out_per_rank = out_features // pctx.tp_size
-        factory = {"device": device if device is not None else pctx.device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, **factory))
-        self.bias = nn.Parameter(torch.empty(self.out_per_rank, **factory)) if bias else None
+        dev = device if device is not None else pctx.device
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, device=dev, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(self.out_per_rank, device=dev, dtype=dtype)) if bias else None
         mark(self.weight, sharded=True, partition_dim=0)
         if self.bias is not None:
             mark(self.bias, sharded=True, partition_dim=0)
@@ -170,9 +170,9 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features, self.pctx = in_features, out_features, pctx
         self.input_is_parallel, self.sequence_parallel, self.label = input_is_parallel, sequence_parallel, label
         self.in_per_rank = in_features // pctx.tp_size
-        factory = {"device": device if device is not None else pctx.device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, **factory))
-        self.bias = nn.Parameter(torch.empty(out_features, **factory)) if bias else None
+        dev = device if device is not None else pctx.device
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, device=dev, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=dev, dtype=dtype)) if bias else None
         mark(self.weight, sharded=True, partition_dim=1)
         if self.bias is not None:
             mark(self.bias, sharded=False, sequence_parallel=sequence_parallel)
@@ -229,8 +229,8 @@ class VocabParallelEmbedding(nn.Module):
         self.sequence_parallel, self.label = sequence_parallel, label
         per_rank = num_embeddings // pctx.tp_size
         self.vocab_start, self.vocab_end = pctx.tp_rank * per_rank, (pctx.tp_rank + 1) * per_rank
-        factory = {"device": device if device is not None else pctx.device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, **factory))
+        dev = device if device is not None else pctx.device
+        self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, device=dev, dtype=dtype))
         mark(self.weight, sharded=True, partition_dim=0)
         if init_seed is not None:
             with torch.random.fork_rng(devices=[]):

@@ -37,7 +37,9 @@ def qkv_rows(n_embd: int, n_head: int, tp: int, tp_rank: int) -> torch.Tensor:
         raise ValueError(f"tp_rank={tp_rank} is outside [0, {tp})")
     width = n_embd // tp  # rows of one of q, k, v on one rank: its heads times head_dim
     start = tp_rank * width
-    return torch.cat([torch.arange(part * n_embd + start, part * n_embd + start + width) for part in range(3)])
+    # lslm: cpu-ok (row indices; shard_rows moves them to the weight's device)
+    return torch.cat([torch.arange(part * n_embd + start, part * n_embd + start + width)  # lslm: cpu-ok (indices)
+                      for part in range(3)])
 
 
 def qkv_permutation(n_embd: int, n_head: int, tp: int) -> torch.Tensor:
