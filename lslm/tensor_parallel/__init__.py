@@ -9,7 +9,11 @@
 * :mod:`.plan` / :mod:`.apply` - :func:`apply_tensor_parallel` (lslm GPT; Hugging Face GPT-2 and Llama in
   :mod:`.hf_plans`);
 * :mod:`.grads` - the gradient all-reduces sequence parallelism and replicated KV heads need;
-* :mod:`.overlap` - the input-gradient all-reduce hidden behind the weight gradient, measured from the ledger.
+* :mod:`.clip` - global-norm clipping over TP shards (replicated parameters counted once), DP-only averaging;
+* :mod:`.checkpoint` - checkpoints that stay tensor-parallel, and their gather to the serial layout;
+* :mod:`.overlap` - the input-gradient all-reduce hidden behind the weight gradient, measured from the ledger;
+* :mod:`.activation_check` - saved-for-backward bytes per layer against :mod:`lslm.metrics.activation_theory`;
+* :mod:`.dtensor_reference` - the same GPT under PyTorch DTensor, for side-by-sides.
 """
 
 from lslm.tensor_parallel.apply import TPInfo, apply_tensor_parallel, gpt_plan, plan_for
