@@ -61,7 +61,7 @@ def bwd_label(label: str) -> str:
 # -- the collectives, along any dimension ------------------------------------------------------------------
 def all_reduce(x: torch.Tensor, pctx: ParallelContext, label: str) -> torch.Tensor:
     """Sum ``x`` over the tensor-parallel group (a new contiguous tensor; ``x`` is not modified)."""
-    out = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
+    out = x.clone(memory_format=torch.contiguous_format)  # all_reduce works in place and needs contiguity
     pctx.comm.all_reduce(out, group=pctx.tp_group, label=label)
     return out
 
