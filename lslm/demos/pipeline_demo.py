@@ -1,0 +1,98 @@
+"""Small experiments notebook 06 runs: the partition's imbalance, schedules measured on real ranks, memory, remat.
+
+:func:`partition_report` runs in one process. :func:`schedules_worker` is a launch target
+(``lslm.launch("lslm.demos.pipeline_demo:schedules_worker", nproc=p, runs=[...])``): every
+rank builds the same GPT from one seed, pipelines it with each requested plan in turn, runs
+a few steps, and returns what the notebook prints and plots: the loss and gradients against
+the serial model on the same batch, the last step's timeline (every rank's, gathered) and
+the activation-memory counts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from lslm.models.gpt import GPT, GPTConfig
+from lslm.pipeline.apply import PipelinePlan, apply_pipeline
+from lslm.pipeline.partition import partition_units, unit_costs, unit_names
+from lslm.runtime import init_distributed
+
+__all__ = ["DEMO_MODEL", "partition_report", "schedules_worker"]
+
+#: The notebook's GPT: deep enough for 2 x 4 virtual stages, wide enough that compute dominates per-action overhead.
+DEMO_MODEL: dict[str, int] = dict(vocab_size=1024, block_size=64, n_layer=8, n_head=4, n_embd=128)
+
+
+def partition_report(num_stages: int = 4, **model: int) -> dict[str, Any]:
+    """Cost of each unit (embedding, blocks, head) by layer count and by parameters, and each split's stage loads.
+
+    In one process, on the ``meta`` device (nothing allocated). For each method the partition minimises the most loaded stage; the
+    loads are then read in parameters, the memory a stage's weights and optimizer state take.
+    """
+    cfg = GPTConfig(**{**DEMO_MODEL, **model})
+    with torch.device("meta"):  # counts only: no memory, no initialisation time, whatever the model's size
+        gpt = GPT(cfg)
+    params = unit_costs(gpt, "params")
+    out: dict[str, Any] = {"units": unit_names(gpt), "unit_params": params, "num_stages": num_stages}
+    for method in ("layers", "params"):
+        bounds = partition_units(unit_costs(gpt, method), num_stages)
+        out[method] = {"boundaries": bounds, "stage_params": [sum(params[a:b]) for a, b in bounds]}
+    return out
+
+
+def _serial_reference(cfg: GPTConfig, seed: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, Any]]:
+    torch.manual_seed(seed)
+    ref = GPT(cfg).to(x.device)
+    _, loss = ref(x, y)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def schedules_worker(runs: list[dict[str, Any]], model: dict[str, int] | None = None, batch_size: int = 16,
+                     steps: int = 3, seed: int = 0) -> dict[str, Any]:
+    """Launch target: each plan of ``runs`` (:class:`PipelinePlan` fields) on every rank, ``steps`` steps each.
+
+    Every step is the same batch from zeroed gradients (no optimizer), so the gradients can
+    be compared with the serial GPT's and the last step's timeline is a warm one. Per run,
+    this rank returns: ``loss`` (the pipeline's), ``serial_loss``, ``max_grad_diff`` (largest
+    ``|pipeline - serial|`` over this rank's gradients), ``max_grad`` (largest ``|serial|``),
+    ``timeline`` (every rank's, ``Timeline.to_dict()``), ``memory`` (the executor's counts),
+    ``step_s`` (each step's wall time on this rank) and ``p2p_bytes`` (this rank's sends, one step).
+    """
+    cfg = GPTConfig(**{**DEMO_MODEL, **(model or {})})
+    ctx = init_distributed(pp=int(__import__("os").environ.get("WORLD_SIZE", "1")), seed=seed)
+    with ctx:
+        g = torch.Generator().manual_seed(seed + 1)
+        x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), generator=g)  # lslm: cpu-ok (seeded)
+        y = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), generator=g)  # lslm: cpu-ok (seeded)
+        x, y = x.to(ctx.device), y.to(ctx.device)
+        serial_loss, serial_grads = _serial_reference(cfg, seed, x, y)
+        results = []
+        for run in runs:
+            plan = PipelinePlan(**{"record_timeline": True, "track_memory": True, **run})
+            torch.manual_seed(seed)
+            pipe = apply_pipeline(GPT(cfg), ctx, plan)
+            params = dict(pipe.named_parameters())
+            step_s, p2p = [], 0
+            for _ in range(steps):
+                for p in params.values():
+                    p.grad = None
+                since = len(ctx.comm.ledger.records)
+                t0 = time.perf_counter()
+                loss = pipe.step(x, y)
+                step_s.append(time.perf_counter() - t0)
+                p2p = sum(r.nbytes for r in ctx.comm.ledger.records[since:] if r.op == "send")
+            timeline = pipe.gather_timeline()
+            diff = max((params[n].grad - serial_grads[n]).abs().max().item() for n in params)
+            results.append({"run": run, "loss": loss.item(), "serial_loss": serial_loss, "max_grad_diff": diff,
+                            "max_grad": max(serial_grads[n].abs().max().item() for n in params),
+                            "timeline": timeline.to_dict(), "memory": pipe.last_memory, "step_s": step_s,
+                            "p2p_bytes": p2p})
+            ctx.comm.ledger.reset()
+        assert all(math.isfinite(r["loss"]) for r in results)
+        return {"rank": ctx.rank, "pp": ctx.pp_size, "batch_size": batch_size, "model": cfg.__dict__,
+                "results": results}

@@ -1,0 +1,201 @@
+"""Pipeline parallelism applied to a plain GPT from outside: a plan, its checks, and the pipelined model.
+
+::
+
+    plan = PipelinePlan(schedule="1f1b", microbatches=8)
+    check_plan(plan, pp_size=4, n_layer=cfg.n_layer, batch_size=32)   # before any process starts
+    pipe = apply_pipeline(GPT(cfg), ctx, plan)                          # on every rank
+    loss = pipe.step(x, y)          # forward + backward of the whole batch; grads in pipe.parameters()
+
+Every rank builds the same full GPT (same seed), :func:`apply_pipeline` cuts it into
+``p x v`` virtual stages (:func:`~lslm.pipeline.partition.split_gpt`) and keeps the ones
+the schedule puts on this rank; the stages share the GPT's parameters, so gradients land
+in the GPT's own ``.grad`` and an optimizer over :meth:`PipelineModel.parameters` steps
+exactly this rank's share. Stages whose schedule splits the backward (``I``/``W``) get
+their linears swapped for :class:`~lslm.pipeline.split_backward.SplitLinear`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lslm.models.gpt import GPT
+from lslm.pipeline.executor import PipelineExecutor, gather_timeline
+from lslm.pipeline.memory import PipelineMemory
+from lslm.pipeline.partition import METHODS, GPTStage, partition_units, split_gpt, unit_costs
+from lslm.pipeline.split_backward import WeightGradStore, split_linears
+from lslm.pipeline.stage import StageRuntime
+from lslm.pipeline.timeline import Event, Timeline
+from lslm.runtime.context import ParallelContext
+
+__all__ = ["PipelineModel", "PipelinePlan", "apply_pipeline", "check_plan"]
+
+LOSS_LABEL = "pp loss"
+
+
+@dataclass
+class PipelinePlan:
+    """How to pipeline: the schedule, ``microbatches`` (m), ``virtual_stages`` per rank (v), the partition method
+    (:data:`~lslm.pipeline.partition.METHODS`), rematerialisation, output deallocation, and what to record."""
+
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    virtual_stages: int = 1
+    partition: str = "layers"
+    remat: bool = False
+    deallocate_outputs: bool = True
+    record_timeline: bool = False
+    track_memory: bool = False
+
+
+def check_plan(plan: PipelinePlan, pp_size: int, n_layer: int, batch_size: int) -> None:
+    """Raise ``ValueError`` (before any process starts) when ``plan`` cannot run on ``pp_size`` pipeline ranks with
+    an ``n_layer``-block GPT and ``batch_size`` rows per pipeline (per data-parallel replica)."""
+    from lslm.pipeline.schedules import check_schedule_config
+
+    for name in ("microbatches", "virtual_stages"):
+        value = getattr(plan, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"PipelinePlan.{name} must be a positive int, got {value!r}")
+    if plan.partition not in METHODS:
+        raise ValueError(f"unknown partition method {plan.partition!r}; choose one of {METHODS}")
+    stages = pp_size * plan.virtual_stages
+    if stages > n_layer:
+        raise ValueError(f"{pp_size} pipeline ranks x {plan.virtual_stages} virtual stages = {stages} stages, but "
+                         f"the model has {n_layer} blocks; every stage needs at least one (use fewer stages or a "
+                         f"deeper model)")
+    if batch_size % plan.microbatches:
+        raise ValueError(f"a batch of {batch_size} rows does not split into {plan.microbatches} equal micro-batches; "
+                         f"choose microbatches dividing {batch_size}")
+    check_schedule_config(plan.schedule, pp_size, plan.microbatches, plan.virtual_stages, num_layers=n_layer)
+
+
+class PipelineModel:
+    """This rank's part of a pipelined GPT; :meth:`step` runs one forward + backward of a batch by the schedule."""
+
+    def __init__(self, model: GPT, ctx: ParallelContext, plan: PipelinePlan, schedule: Any,
+                 stages: dict[int, GPTStage]) -> None:
+        self.model, self.ctx, self.plan, self.schedule, self.stages = model, ctx, plan, schedule, stages
+        self.num_stages = len(schedule.stage_to_rank)
+        self.memory = PipelineMemory(model.parameters()) if plan.track_memory else None
+        actions = schedule.actions(ctx.pp_rank)
+        split = {a.stage for a in actions if a.kind in ("I", "W")}
+        self.stores: dict[int, WeightGradStore] = {}
+        for s in sorted(split):
+            self.stores[s] = WeightGradStore()
+            split_linears(stages[s], self.stores[s])
+        self.runtimes = {s: StageRuntime(m, ctx.device, remat=plan.remat, store=self.stores.get(s),
+                                         memory=self.memory) for s, m in stages.items()}
+        self.executor = PipelineExecutor(ctx, actions, self.runtimes, schedule.stage_to_rank,
+                                         deallocate_outputs=plan.deallocate_outputs, memory=self.memory)
+        self.last_timeline: list[Event] = []
+        self.last_memory: dict[str, Any] = {}
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (every stage it holds), each once."""
+        seen: set[int] = set()
+        for s in sorted(self.stages):
+            for p in self.stages[s].parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(name in the GPT, parameter)`` for :meth:`parameters`."""
+        seen: set[int] = set()
+        for s in sorted(self.stages):
+            for name, p in self.stages[s].model_names():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, *, loss_scale: float = 1.0,
+             sync_grads: bool = True) -> torch.Tensor:
+        """Forward and backward of this replica's batch ``x`` -> ``y`` (token ids, ``(B, T)``) by the schedule.
+
+        The batch splits into ``m`` micro-batches on dim 0; micro-batch losses (mean cross-entropy
+        over its tokens) are weighted ``loss_scale / m`` for the backward, so the gradients are those
+        of ``loss_scale`` x the batch mean. Gradients accumulate into this rank's parameters (zero them
+        yourself). With ``dp > 1`` and ``sync_grads``, each stage's gradients are averaged over
+        ``ctx.group("dp")`` right after this rank's last backward of that stage. Returns the batch's
+        mean loss (``loss_scale`` not applied), the same on every pipeline rank.
+        """
+        ctx, m = self.ctx, self.plan.microbatches
+        if x.dim() != 2 or x.shape != y.shape:
+            raise ValueError(f"x and y must be token ids of one shape (batch, time), got {tuple(x.shape)} and "
+                             f"{tuple(y.shape)}")
+        if x.shape[0] % m:
+            raise ValueError(f"a batch of {x.shape[0]} rows does not split into {m} micro-batches")
+        # A copy per micro-batch: chunks would share the batch's storage, which memory accounting charges once.
+        xs = [c.to(ctx.device).clone() for c in x.chunk(m)]
+        ys = [c.to(ctx.device).clone() for c in y.chunk(m)]
+        origin = 0.0
+        if self.plan.record_timeline:
+            # Align the ranks' clocks on one moment: right after a barrier.
+            ctx.comm.barrier(group=ctx.group("pp"), label="pp timeline sync")
+            origin = time.perf_counter()
+        result = self.executor.run(xs, ys, loss_scale / m, sync_grads=sync_grads,
+                                   record=self.plan.record_timeline, origin=origin)
+        loss = torch.zeros(1, device=ctx.device, dtype=torch.float32)
+        if result.loss_sum is not None:
+            loss += result.loss_sum.float() / m
+        last = ctx.group_ranks("pp")[self.schedule.stage_to_rank[self.num_stages - 1]]
+        ctx.comm.broadcast(loss, src=last, group=ctx.group("pp"), label=LOSS_LABEL)
+        self.last_timeline = result.events
+        self.last_memory = result.memory or {}
+        return loss[0]
+
+    def gather_timeline(self) -> Timeline:
+        """The last step's events of every pipeline rank (collective over ``ctx.group("pp")``; needs
+        ``plan.record_timeline``)."""
+        if not self.plan.record_timeline:
+            raise ValueError("no timeline recorded: set PipelinePlan(record_timeline=True)")
+        s = self.schedule
+        return gather_timeline(self.ctx, self.last_timeline, schedule=s.name, num_microbatches=s.num_microbatches,
+                               stages_per_rank=s.stages_per_rank)
+
+
+def _partition(model: GPT, ctx: ParallelContext, method: str, num_stages: int) -> list[tuple[int, int]]:
+    costs = unit_costs(model, method)
+    if method == "time":
+        # Measured times differ by rank: average them so every rank cuts the model the same way.
+        t = torch.tensor(costs, dtype=torch.float64, device=ctx.device)
+        ctx.comm.all_reduce(t, label="pp partition costs")
+        costs = (t / ctx.world_size).tolist()
+    return partition_units(costs, num_stages)
+
+
+def apply_pipeline(model: GPT, ctx: ParallelContext, plan: PipelinePlan, *, schedule: Any = None) -> PipelineModel:
+    """Split ``model`` into the stages of ``plan``'s schedule over ``ctx``'s pipeline ranks; keep this rank's.
+
+    ``schedule`` (optional) replaces ``build_schedule(plan.schedule, pp, m, v)``: any object with
+    ``stage_to_rank``, ``actions(rank)``, ``name``, ``num_microbatches``, ``stages_per_rank`` (e.g. a
+    hand-written list to try). This rank's stages move to ``ctx.device``. Raises ``ValueError`` for
+    plans :func:`check_plan` rejects and for tied embedding/head weights across ranks (their gradient
+    would need a sum between the first and last stage, which is not implemented).
+    """
+    if schedule is None:
+        from lslm.pipeline.schedules import build_schedule
+
+        # The batch size is known only at step(), which checks it; here any multiple of m passes.
+        check_plan(plan, ctx.pp_size, len(model.blocks), batch_size=plan.microbatches)
+        schedule = build_schedule(plan.schedule, ctx.pp_size, plan.microbatches, plan.virtual_stages)
+    stage_to_rank = tuple(schedule.stage_to_rank)
+    if getattr(schedule, "num_microbatches", plan.microbatches) != plan.microbatches:
+        raise ValueError(f"the schedule has {schedule.num_microbatches} micro-batches, the plan "
+                         f"{plan.microbatches}")
+    if max(stage_to_rank) >= ctx.pp_size:
+        raise ValueError(f"the schedule uses pipeline ranks up to {max(stage_to_rank)}, but pp={ctx.pp_size}")
+    num_stages = len(stage_to_rank)
+    if model.lm_head.weight is model.wte.weight and stage_to_rank[0] != stage_to_rank[-1]:
+        raise ValueError("tied embedding/head weights on different pipeline ranks are not supported: build the "
+                         "GPT with tie_weights=False")
+    stages = split_gpt(model, num_stages, boundaries=_partition(model, ctx, plan.partition, num_stages))
+    mine = {s: stage.to(ctx.device) for s, stage in enumerate(stages) if stage_to_rank[s] == ctx.pp_rank}
+    return PipelineModel(model, ctx, plan, schedule, mine)

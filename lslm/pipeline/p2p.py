@@ -1,0 +1,95 @@
+"""Pipeline point-to-point: one batch of send/receive actions, posted together through the ledger.
+
+The executor posts each maximal run of consecutive communication actions of its list as
+ONE ``batch_isend_irecv`` (after a forward, ``SEND_F; RECV_B`` is Megatron's
+``send_forward_recv_backward``). Posting both directions together is what keeps NCCL
+from deadlocking when two neighbours send to each other at once (a lone blocking send
+waits for its receive, which the peer posts only after its own send returned).
+
+Peers: an action names a *virtual* stage; its peer is the stage before or after it,
+on the rank ``stage_to_rank`` gives, turned into a global rank through the pipeline
+group of this rank (``ctx.group_ranks("pp")``, ordered by pipeline rank).
+
+Ledger labels name the action's own stage: ``"pp F s<stage> mb<mb>"`` for activations
+(``SEND_F`` of stage ``s`` and the ``RECV_F`` of stage ``s + 1`` are one message, recorded
+as ``s`` on the sender and ``s + 1`` on the receiver) and ``"pp B s<stage> mb<mb>"`` for
+gradients; the record's op (send/recv) and label give back the action
+(:func:`action_of_record`), which is how measured timelines get their communication bars.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lslm.pipeline.actions import Action
+from lslm.runtime.context import ParallelContext
+from lslm.runtime.records import CommRecord
+
+__all__ = ["action_of_record", "comm_label", "peer_stage", "post"]
+
+_LABEL = re.compile(r"^pp ([FB]) s(\d+) mb(\d+)$")
+
+
+def comm_label(action: Action) -> str:
+    """The ledger label of a communication action: ``"pp F s2 mb5"`` / ``"pp B s2 mb5"``."""
+    direction = action.kind[-1]  # SEND_F/RECV_F -> F, SEND_B/RECV_B -> B
+    return f"pp {direction} s{action.stage} mb{action.mb}"
+
+
+def action_of_record(record: CommRecord) -> Action | None:
+    """The communication action a ledger record came from (None for records that are not pipeline p2p)."""
+    hit = _LABEL.match(record.label)
+    if hit is None or record.op not in ("send", "recv"):
+        return None
+    return Action(int(hit[2]), f"{record.op.upper()}_{hit[1]}", int(hit[3]))
+
+
+def peer_stage(action: Action) -> int:
+    """The virtual stage on the other side of a communication action."""
+    return action.stage + (1 if action.kind in ("SEND_F", "RECV_B") else -1)
+
+
+def post(ctx: ParallelContext, actions: Sequence[Action], tensors: Sequence[torch.Tensor],
+         stage_to_rank: Sequence[int]) -> list[Any]:
+    """Post ``actions`` (communication only) with their ``tensors`` (what to send / where to receive) as one
+    ``batch_isend_irecv``; returns every work (the caller must wait on each)."""
+    pp_ranks = ctx.group_ranks("pp")
+    ops, labels = [], []
+    for action, tensor in zip(actions, tensors, strict=True):
+        if not action.is_comm:
+            raise ValueError(f"{action} is not a communication action")
+        peer = pp_ranks[stage_to_rank[peer_stage(action)]]
+        if peer == ctx.rank:
+            raise ValueError(f"{action}: stages {action.stage} and {peer_stage(action)} are both on this rank; "
+                             f"adjacent stages on one rank hand tensors over without communication")
+        op = dist.isend if action.kind.startswith("SEND") else dist.irecv
+        ops.append(dist.P2POp(op, tensor, peer, group=ctx.pp_group))
+        labels.append(comm_label(action))
+    ledger = ctx.comm.ledger
+    since = len(ledger.records)
+    works = ctx.comm.batch_isend_irecv(ops, label=labels[0] if len(set(labels)) == 1 else " + ".join(labels))
+    _relabel(ledger, since, labels)
+    return works
+
+
+def _relabel(ledger: Any, since: int, labels: list[str]) -> None:
+    """Give each record of the batch just posted its own action's label.
+
+    ``Comm.batch_isend_irecv`` takes one label for the whole batch; a batch mixes actions
+    (``SEND_F`` of one micro-batch with ``RECV_B`` of another). The batch's records are the
+    last ``len(labels)`` ones, in posting order (this thread records them back to back);
+    the completion object is shared by the copy, so the works still stamp it.
+    """
+    with ledger._lock:
+        recs = ledger.records
+        if len(recs) - since != len(labels):
+            return  # ledger paused (or recording elsewhere too): leave the joint label
+        for i, label in enumerate(labels):
+            if recs[since + i].label != label:
+                recs[since + i] = dataclasses.replace(recs[since + i], label=label)
