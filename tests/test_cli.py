@@ -52,17 +52,23 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["bench", "ddp", "--bucket-mb", "-1"], "argument --bucket-mb: must be a finite number of MiB > 0, got -1"),
     (["bench", "ddp", "--sweep-mb", "1", "0"], "argument --sweep-mb: must be a finite number of MiB > 0, got 0"),
     (["bench", "ddp", "--bucket-mb", "nan"], "must be a finite number of MiB > 0"),
-    (["bench", "ddp", "--repeats", "3"], "--repeats is an option of `lslm bench launch / collectives`, "
+    (["bench", "ddp", "--repeats", "3"], "--repeats is an option of `lslm bench launch / collectives / pipeline`, "
                                          "not of `lslm bench ddp`"),
-    (["bench", "launch", "--quick"], "--quick is an option of `lslm bench ddp / tp`, not of `lslm bench launch`"),
-    (["bench", "launch", "--device", "cpu"], "--device is an option of `lslm bench collectives / ddp / tp`"),
+    (["bench", "launch", "--quick"], "--quick is an option of `lslm bench ddp / tp / pipeline`, "
+                                     "not of `lslm bench launch`"),
+    (["bench", "launch", "--device", "cpu"], "--device is an option of `lslm bench collectives / ddp / tp / "
+                                             "pipeline`"),
     (["bench", "collectives", "--steps", "2"], "--steps is an option of `lslm bench ddp / tp`"),
     (["bench", "launch", "--frobnicate"], "unknown option --frobnicate for `lslm bench launch`"),
     (["bench", "ddp", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["bench", "tp", "--nprocs", "1"], "must be an integer >= 2 (tensor parallelism needs peers), got 1"),
     (["bench", "tp", "--nprocs", "3"], "n_head=8 does not split over tp=3"),
     (["bench", "ddp", "--no-sp"], "--no-sp is an option of `lslm bench tp`, not of `lslm bench ddp`"),
-    (["bench"], "required: {launch,collectives,ddp,tp}"),
+    (["bench"], "required: {launch,collectives,ddp,tp,pipeline}"),
+    (["bench", "pipeline", "--nprocs", "1"], "must be an integer >= 2 (a pipeline needs at least two stages), got 1"),
+    (["bench", "pipeline", "--microbatches", "0"], "argument --microbatches: must be an integer >= 1, got 0"),
+    (["bench", "pipeline", "--steps", "2"], "--steps is an option of `lslm bench ddp / tp`, not of `lslm bench "
+                                            "pipeline`"),
 ])
 def test_bench_refuses_bad_settings_before_any_launch(argv: list[str], message: str, no_launch: list[Any],
                                                       capsys: pytest.CaptureFixture[str]) -> None:
@@ -78,6 +84,8 @@ def test_each_bench_help_lists_its_own_options(capsys: pytest.CaptureFixture[str
     assert BENCH_OPTIONS["launch"] == {"--nprocs", "--repeats", "--out"}
     assert BENCH_OPTIONS["collectives"] == {"--nprocs", "--sizes-kib", "--repeats", "--out", "--device"}
     assert BENCH_OPTIONS["tp"] == {"--nprocs", "--steps", "--quick", "--no-sp", "--out", "--device"}
+    assert BENCH_OPTIONS["pipeline"] == {"--nprocs", "--microbatches", "--repeats", "--warmup", "--quick", "--out",
+                                         "--device"}
     every = set().union(*BENCH_OPTIONS.values())
     for name, own in BENCH_OPTIONS.items():
         with pytest.raises(SystemExit) as exc:

@@ -1,4 +1,4 @@
-"""``lslm bench launch|collectives|ddp|tp``: the bench part of the ``lslm`` command (see :mod:`lslm.cli`).
+"""``lslm bench launch|collectives|ddp|tp|pipeline``: the bench part of the ``lslm`` command (see :mod:`lslm.cli`).
 
 Each bench is its own sub-command with only the options it uses, so ``lslm bench ddp --help``
 lists ddp's options and an option of another bench is an error that names the bench it
@@ -103,6 +103,21 @@ def _tp_options(p: argparse.ArgumentParser) -> None:
     _device(p)
 
 
+def _pipeline_options(p: argparse.ArgumentParser) -> None:
+    _nprocs(p, 2, "a pipeline needs at least two stages")
+    p.add_argument("--microbatches", type=_int_at_least(1), nargs="+", default=[4, 8], metavar="M",
+                   help="numbers of micro-batches to measure at each world size (default: 4 8)")
+    p.add_argument("--repeats", type=_int_at_least(1), default=None, metavar="R",
+                   help="timed steps per schedule and implementation; the table shows their median (default: 7; "
+                        "1 with --quick)")
+    p.add_argument("--warmup", type=_int_at_least(0), default=None, metavar="W",
+                   help="untimed rounds first (default: 2; 1 with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, one timed step: checks structure, counts and bubbles, timings meaningless")
+    _out(p, "pipeline")
+    _device(p)
+
+
 #: name -> (one-line help, what it measures, its options, an example)
 _BENCHES: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None], str]] = {
     "launch": ("start-up cost of a trivial job (lslm.launch wall time)",
@@ -125,6 +140,12 @@ _BENCHES: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None], s
            "(= tp); reports step time and its phases, memory per rank, collectives per step, and the "
            "lslm / DTensor step-time ratio.",
            _tp_options, "lslm bench tp --quick --nprocs 2 --steps 2"),
+    "pipeline": ("lslm pipeline schedules next to torch.distributed.pipelining's on one GPT",
+                 "Runs GPipe, 1F1B, interleaved 1F1B (v=2), ZB-H1 and DualPipeV with lslm's executor and the "
+                 "matching torch.distributed.pipelining schedules on the same GPT stages and data, round-robin "
+                 "in one launch per world size (= pipeline size), at each number of micro-batches; reports step "
+                 "times, the lslm / torch ratio, and lslm's measured bubble fraction next to the simulated one.",
+                 _pipeline_options, "lslm bench pipeline --quick --nprocs 2 --microbatches 4"),
 }
 
 
@@ -140,7 +161,7 @@ BENCH_OPTIONS: dict[str, set[str]] = {name: _option_strings(spec[2]) for name, s
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add one sub-command per bench to ``p`` (the ``lslm bench`` parser), each with its own options."""
-    sub = p.add_subparsers(dest="name", required=True, metavar="{launch,collectives,ddp,tp}",
+    sub = p.add_subparsers(dest="name", required=True, metavar="{launch,collectives,ddp,tp,pipeline}",
                            title="benches", description="run `lslm bench NAME --help` for the options of one")
     for name, (short, long, add, example) in _BENCHES.items():
         sp = sub.add_parser(name, help=short, description=textwrap.fill(long, 80), formatter_class=_RAW,
@@ -177,6 +198,11 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
             sizes = tuple(k * 1024 for k in ns.sizes_kib) if ns.sizes_kib else collectives.DEFAULT_SIZES
             collectives.run(tuple(ns.nprocs), sizes, ns.repeats, out_dir=out_dir, device=ns.device)
+        elif ns.name == "pipeline":
+            from lslm.bench import pipeline
+
+            pipeline.run(tuple(ns.nprocs), tuple(ns.microbatches), quick=ns.quick, repeats=ns.repeats,
+                         warmup=ns.warmup, out_dir=out_dir, device=ns.device)
         elif ns.name == "tp":
             from lslm.bench import tp
 

@@ -30,8 +30,9 @@ DEMO_MODEL: dict[str, int] = dict(vocab_size=1024, block_size=64, n_layer=8, n_h
 def partition_report(num_stages: int = 4, **model: int) -> dict[str, Any]:
     """Cost of each unit (embedding, blocks, head) by layer count and by parameters, and each split's stage loads.
 
-    In one process, on the ``meta`` device (nothing allocated). For each method the partition minimises the most loaded stage; the
-    loads are then read in parameters, the memory a stage's weights and optimizer state take.
+    In one process, on the ``meta`` device (nothing allocated). For each method the partition
+    minimises the most loaded stage; the loads are then read in parameters, the memory a stage's
+    weights and optimizer state take.
     """
     cfg = GPTConfig(**{**DEMO_MODEL, **model})
     with torch.device("meta"):  # counts only: no memory, no initialisation time, whatever the model's size

@@ -60,7 +60,10 @@ class Built:
     * ``log(record)``: extra text for rank 0's log line, from this step's figures;
     * ``info``: fixed fields added to the run record (e.g. ``grad_bytes``);
     * ``owners``: wrappers that keep their own tensors (DDP buckets, ZeRO shards), reported
-      through their ``memory_owners()`` in the memory breakdown by owner and device.
+      through their ``memory_owners()`` in the memory breakdown by owner and device;
+    * ``ctx``: the context the technique built its groups in, when not the harness's own (a recipe
+      whose grid differs from the launch's, e.g. the second of several runs in one job); the
+      global loss is averaged over *its* data-parallel group.
     """
 
     model: nn.Module
@@ -75,6 +78,7 @@ class Built:
     info: dict[str, Any] = field(default_factory=dict)
     owners: tuple[Any, ...] = ()
     name: str = "train"
+    ctx: ParallelContext | None = None
 
 
 def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None) -> dict[str, Any]:
@@ -89,6 +93,7 @@ def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None) -> di
     rank), ``num_parameters``, ``threads``, ``config``, ``rank``, ``world_size``, ``dp_size``, ``device``,
     ``backend`` and ``built.info``.
     """
+    ctx = built.ctx if built.ctx is not None else ctx  # the technique's own grid, when it built one
     ledger = ctx.comm.ledger if ctx is not None else None
     timer = StepTimer(built.device)
     rec: dict[str, list[Any]] = {"local_losses": [], "step_s": []}

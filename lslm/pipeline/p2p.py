@@ -19,7 +19,6 @@ gradients; the record's op (send/recv) and label give back the action
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -71,25 +70,5 @@ def post(ctx: ParallelContext, actions: Sequence[Action], tensors: Sequence[torc
         op = dist.isend if action.kind.startswith("SEND") else dist.irecv
         ops.append(dist.P2POp(op, tensor, peer, group=ctx.pp_group))
         labels.append(comm_label(action))
-    ledger = ctx.comm.ledger
-    since = len(ledger.records)
-    works = ctx.comm.batch_isend_irecv(ops, label=labels[0] if len(set(labels)) == 1 else " + ".join(labels))
-    _relabel(ledger, since, labels)
-    return works
+    return ctx.comm.batch_isend_irecv(ops, label=labels)
 
-
-def _relabel(ledger: Any, since: int, labels: list[str]) -> None:
-    """Give each record of the batch just posted its own action's label.
-
-    ``Comm.batch_isend_irecv`` takes one label for the whole batch; a batch mixes actions
-    (``SEND_F`` of one micro-batch with ``RECV_B`` of another). The batch's records are the
-    last ``len(labels)`` ones, in posting order (this thread records them back to back);
-    the completion object is shared by the copy, so the works still stamp it.
-    """
-    with ledger._lock:
-        recs = ledger.records
-        if len(recs) - since != len(labels):
-            return  # ledger paused (or recording elsewhere too): leave the joint label
-        for i, label in enumerate(labels):
-            if recs[since + i].label != label:
-                recs[since + i] = dataclasses.replace(recs[since + i], label=label)

@@ -166,7 +166,7 @@ def build(cfg: TPConfig, ctx: ParallelContext) -> Built:
     info = {"tp_size": cfg.tp, "dp_size": dp, "sequence_parallel": cfg.sequence_parallel,
             "padded_vocab_size": model.tensor_parallel.padded_vocab_size,
             "tokens_per_step": cfg.batch_size * cfg.block_size}
-    return Built(model=model, optimizer=optimizer, step=step, batches=_batches(loader, tctx.device),
+    return Built(model=model, optimizer=optimizer, step=step, batches=_batches(loader, tctx.device), ctx=tctx,
                  device=tctx.device, per_step=per_step, count=(None, None), log=log, info=info,
                  name=f"tp{cfg.tp}-dp{dp}" + ("-sp" if cfg.sequence_parallel else ""))
 

@@ -252,17 +252,22 @@ class Comm:
         rec = self._issue("recv", tensor, _nbytes(tensor), group, peer=src, label=label)
         return TimedWork(dist.irecv(tensor, src=src, group=group), [rec.done], tensor.device, p2p=True)
 
-    def batch_isend_irecv(self, ops: Sequence[dist.P2POp], label: str = "") -> list[Any]:
+    def batch_isend_irecv(self, ops: Sequence[dist.P2POp], label: str | Sequence[str] = "") -> list[Any]:
         """Post several sends/receives together (one NCCL group); returns their work handles, wait on every one.
 
-        gloo returns one work per operation; NCCL may return a single work for the
-        whole batch, in which case every record completes with it.
+        ``label`` is one label for every operation, or one per operation (a pipeline batch
+        mixes one micro-batch's activation with another's gradient). gloo returns one work
+        per operation; NCCL may return a single work for the whole batch, in which case
+        every record completes with it.
         """
+        labels = [label] * len(ops) if isinstance(label, str) else list(label)
+        if len(labels) != len(ops):
+            raise ValueError(f"{len(labels)} labels for {len(ops)} operations: give one label, or one per operation")
         recs = []
-        for p in ops:
+        for p, lab in zip(ops, labels):
             self._contig(p.tensor)
             kind = "send" if p.op in (dist.isend, getattr(dist, "send", None)) else "recv"
-            recs.append(self._issue(kind, p.tensor, _nbytes(p.tensor), p.group, peer=p.peer, label=label))
+            recs.append(self._issue(kind, p.tensor, _nbytes(p.tensor), p.group, peer=p.peer, label=lab))
         works = dist.batch_isend_irecv(list(ops))
         device = ops[0].tensor.device if ops else None
         if len(works) == len(recs):

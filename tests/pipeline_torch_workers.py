@@ -1,0 +1,116 @@
+"""Workers for tests/test_pipeline_torch_reference.py: torch's pipelining schedules on lslm's GPT stages vs serial.
+
+One launch loops over cases (processes start once: the machine's 2 cores are shared).
+Each case is ``(pp, schedule, microbatches, virtual_stages)``; a case whose ``pp`` is
+smaller than the world runs ``dp = world / pp`` replicas, each on its half of the batch,
+and :meth:`TorchPipeline.step` averages gradients over them. Every rank computes the serial
+loss and gradients itself (same seed, same global batch) and reports, per case, the loss
+error, the largest relative gradient error over its parameters and their names.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import torch
+
+from lslm.models.gpt import GPT, GPTConfig
+from lslm.pipeline.torch_reference import TorchPipeline
+from lslm.runtime import init_distributed
+from lslm.runtime.context import ParallelContext
+from lslm.runtime.grid import RankGrid
+
+SEED, ROWS, T, VOCAB = 1234, 16, 16, 96
+
+
+def config() -> GPTConfig:
+    """8 blocks: enough for 2 stages per rank at p = 4."""
+    return GPTConfig.tiny(n_layer=8, block_size=T, vocab_size=VOCAB, n_embd=32, n_head=2)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed global batch of token ids and next-token targets."""
+    g = torch.Generator().manual_seed(7)
+    tok = torch.randint(0, VOCAB, (ROWS, T + 1), generator=g)
+    return tok[:, :-1], tok[:, 1:]
+
+
+def serial(x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients of the whole batch in one process."""
+    torch.manual_seed(SEED)
+    model = GPT(config())
+    _, loss = model(x, y)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _context(ctx: ParallelContext, pp: int, cache: dict[int, ParallelContext]) -> ParallelContext:
+    """A ``pp x dp`` context over ``ctx``'s processes (groups made once per grid, collectively)."""
+    if pp not in cache:
+        grid = RankGrid.build(ctx.world_size, pp=pp)
+        cache[pp] = ctx if grid.sizes == ctx.grid.sizes else ParallelContext.create(
+            grid, rank=ctx.rank, local_rank=ctx.local_rank, node_rank=ctx.node_rank, device=ctx.device,
+            backend=ctx.backend, timeout_s=ctx.timeout_s, comm=ctx.comm)
+    return cache[pp]
+
+
+def run_case(ctx: ParallelContext, x: torch.Tensor, y: torch.Tensor, schedule: str, m: int, v: int | None,
+             scale_grads: bool = True, stale: dict[str, torch.Tensor] | None = None,
+             ) -> tuple[float, dict[str, torch.Tensor], dict[str, Any]]:
+    """One torch step of this replica's rows; (global mean loss, this rank's grads by GPT name, description).
+
+    ``stale``: gradients left in ``.grad`` before the step (by GPT name) instead of zeros.
+    """
+    torch.manual_seed(SEED)
+    pipe = TorchPipeline(GPT(config()), ctx, schedule, m, v, scale_grads=scale_grads)
+    rows = x.shape[0] // ctx.dp_size
+    xr, yr = (t[ctx.dp_rank * rows:(ctx.dp_rank + 1) * rows] for t in (x, y))
+    for n, p in pipe.named_parameters():
+        p.grad = stale[n].to(p.device, copy=True) if stale is not None else None
+    loss = pipe.step(xr, yr).detach().reshape(1).clone()
+    if ctx.dp_size > 1:  # the replicas' losses: the global mean is their mean (equal rows)
+        ctx.comm.all_reduce(loss, group=ctx.group("dp"), label="test loss")
+        loss /= ctx.dp_size
+    # On the CPU, where the serial reference is.
+    grads = {n: p.grad.detach().to("cpu", copy=True) for n, p in pipe.named_parameters() if p.grad is not None}
+    names = [n for n, _ in pipe.named_parameters()]
+    return loss.item(), grads, {**pipe.describe(), "names": names}
+
+
+def check(cases: list[list[Any]]) -> dict[str, Any]:
+    """Run every ``[pp, schedule, m, v]`` or ``[pp, schedule, m, v, option]`` case; per case the errors against the
+    serial step (or the error text).
+
+    ``option`` ``"sum"``: ``scale_grads=False``, the gradients compared after dividing by ``m``;
+    ``"stale"``: ``.grad`` holds the serial gradient before the step (not zeroed), compared
+    with ``(1 + 1/m)`` times it (torch divides what was there too).
+    """
+    x, y = batch()
+    want_loss, want = serial(x, y)
+    out: dict[str, Any] = {}
+    with init_distributed() as world:
+        torch.set_num_threads(1)
+        cache: dict[int, ParallelContext] = {}
+        for pp, schedule, m, v, *option in cases:
+            opt = option[0] if option else ""
+            key = f"p{pp}-{schedule}-m{m}-v{v}" + (f"-{opt}" if opt else "")
+            ctx = _context(world, pp, cache)
+            try:
+                loss, grads, info = run_case(ctx, x, y, schedule, m, v, scale_grads=opt != "sum",
+                                             stale=want if opt == "stale" else None)
+                factor = {"sum": 1.0 / m, "stale": m / (m + 1.0)}.get(opt, 1.0)
+                grads = {n: g * factor for n, g in grads.items()}
+            except Exception as exc:  # a schedule that fails on this backend: report it, run the others
+                out[key] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
+                world.comm.barrier(label="test resync")
+                continue
+            worst = 0.0
+            for n, g in grads.items():
+                r = want[n]
+                worst = max(worst, ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item())
+            out[key] = {"loss": loss, "want_loss": want_loss, "grad_rel_err": worst,
+                        "missing_grads": sorted(set(info["names"]) - set(grads)), **info,
+                        "pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank}
+            world.comm.barrier(label="test case end")
+    return out

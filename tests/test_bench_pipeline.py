@@ -1,0 +1,64 @@
+"""``lslm bench pipeline`` smoke run: one tiny launch at p = 2 (gloo), its files, the ratio line, exact counts; no
+timings."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from lslm.bench import pipeline as P
+from lslm.pipeline.timeline import Timeline
+
+NAMES = [name for name, *_ in P.PAIRS]
+
+
+def test_bench_pipeline_quick_writes_table_json_png_and_the_ratio_line(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    results = P.run((2,), (2, 4), quick=True, repeats=1, warmup=0, timeline_steps=1, out_dir=tmp_path, timeout=240)
+    lines = capsys.readouterr().out.strip().splitlines()
+    # Every pair at the largest m it ran at (DualPipeV needs m >= 2p = 4: skipped at m=2).
+    entry = r"p=2 m=4 \d+\.\d\dx"
+    want = "lslm / torch pipelining step time: " + "; ".join(f"{re.escape(n)} {entry}" for n in NAMES)
+    assert re.fullmatch(want, lines[-1]), lines[-1]
+    for suffix in ("txt", "json", "png"):
+        assert (tmp_path / f"pipeline.{suffix}").is_file()
+    saved = json.loads((tmp_path / "pipeline.json").read_text())["2"]
+    assert saved["p"] == 2 and saved["microbatches"] == [2, 4]
+
+    res = results[2]
+    rows = {(r["pair"], r["m"]): r for r in res["rows"]}
+    assert sorted(rows) == sorted([(n, 4) for n in NAMES] + [(n, 2) for n in NAMES if n != "DualPipeV"])
+    assert list(res["skipped"]["2"]) == ["DualPipeV"] and res["skipped"]["4"] == {}
+    mod, batch = res["model"], res["batch"]
+    for (name, m), r in rows.items():
+        # Same stages, same weights, same batches: lslm and torch compute the same loss (fp32 rounding at most).
+        assert r["max_loss_diff"] <= 1e-5, name
+        # Rank 0 per step: m activations out and m gradients in per stage boundary it sits on (DualPipeV's rank 0
+        # holds the first and the last stage: two boundaries; interleaved v=2: stage 0 and stage 2, three).
+        crossings = {"DualPipeV": 2, "Interleaved1F1B": 3}.get(name, 1)
+        msg = batch // m * mod["block_size"] * mod["n_embd"] * 4
+        assert r["pp_comm_calls_rank0"] == 2 * m * crossings, name
+        assert r["pp_comm_bytes_rank0"] == 2 * m * crossings * msg, name
+        # Bubble fractions: measured from lslm's timeline, simulated for the same (p, m, v).
+        assert 0.0 <= r["bubble_measured"] < 1.0
+        assert 0.0 <= r["bubble_simulated"] < 1.0 and 0.0 <= r["bubble_simulated_measured_costs"] < 1.0
+        timeline = Timeline.from_dict(r["timeline"])
+        assert timeline.num_ranks == 2 and timeline.bubble_fraction() == pytest.approx(r["bubble_measured"])
+        assert len([e for e in timeline.compute() if e.kind == "F"]) == m * 2 * r["v"]  # every (stage, mb) once
+    # With equal F, B costs GPipe and 1F1B have the textbook bubble (p - 1) / (m + p - 1).
+    assert rows[("GPipe", 4)]["bubble_simulated"] == pytest.approx(1 / 5)
+    assert rows[("1F1B", 2)]["bubble_simulated"] == pytest.approx(1 / 3)
+
+
+def test_bench_pipeline_refuses_bad_settings_before_any_launch() -> None:
+    with pytest.raises(ValueError, match="a pipeline needs at least two stages"):
+        P.run((1, 2), quick=True, out_dir=None)
+    with pytest.raises(ValueError, match="microbatches must be an integer >= 1, got 0"):
+        P.run((2,), (0,), quick=True, out_dir=None)
+    with pytest.raises(ValueError, match="no schedule pair runs at p=4"):  # 3 does not divide the batch of 8
+        P.run((4,), (3,), quick=True, out_dir=None)
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1, got 0"):
+        P.run((2,), quick=True, repeats=0, out_dir=None)

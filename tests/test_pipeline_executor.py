@@ -1,0 +1,346 @@
+"""The pipeline executor: split backward, stage runtime, memory accounting, and every schedule against serial.
+
+Tolerance against the serial GPT: ``max |g_pp - g| / max |g| <= 5e-6`` per parameter, and the
+same relative bound on the loss. Micro-batching changes the order of the sums (the
+gradient of a batch becomes the sum of ``m`` micro-batch gradients, each a mean over fewer
+tokens, then scaled by ``1/m``), so results agree to a few fp32 ulps of the largest entry
+(eps = 1.2e-7; measured <= 7e-7 here), not bit for bit. Between two runs of the *same*
+schedule that differ only in rematerialisation or output deallocation the ops are the
+same, so the gradients must be identical (exactly 0 difference on the CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lslm.models.gpt import GPT, GPTConfig
+from lslm.pipeline.actions import Action
+from lslm.pipeline.apply import PipelinePlan, check_plan
+from lslm.pipeline.memory import PipelineMemory
+from lslm.pipeline.p2p import action_of_record, comm_label, peer_stage
+from lslm.pipeline.partition import split_gpt
+from lslm.pipeline.schedules import build_schedule
+from lslm.pipeline.split_backward import SplitLinear, WeightGradStore, split_linears, unsplit_linears
+from lslm.pipeline.stage import StageRuntime
+from lslm.runtime.records import CommRecord
+from tests.helpers import backends, nproc_backends, run_workers
+
+TOL = 5e-6
+CPU = torch.device("cpu")
+
+
+def _model(dropout: float = 0.0, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig.tiny(n_layer=4, block_size=16, vocab_size=96, n_embd=32, n_head=2, dropout=dropout))
+
+
+def _data(rows: int = 4, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    tok = torch.randint(0, 96, (rows, 17), generator=torch.Generator().manual_seed(seed))
+    return tok[:, :-1], tok[:, 1:]
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# -- split backward (zero bubble's I and W) ---------------------------------------------------------
+def test_i_then_w_equals_the_full_backward_exactly() -> None:
+    x, y = _data()
+    plain = _model()
+    for mb in range(2):
+        plain(x[2 * mb:2 * mb + 2], y[2 * mb:2 * mb + 2])[1].backward()
+    full, split = _model(), _model()
+    stores = [WeightGradStore(), WeightGradStore()]
+    names = split_linears(full, stores[0])
+    split_linears(split, stores[1])
+    assert len(names) == 4 * 4 + 1 and all(isinstance(m, SplitLinear) for m in (full.lm_head, full.blocks[0].mlp.c_fc))
+    assert [n for n, _ in full.named_parameters()] == [n for n, _ in plain.named_parameters()]  # names unchanged
+    for mb in range(2):
+        full(x[2 * mb:2 * mb + 2], y[2 * mb:2 * mb + 2])[1].backward()  # store idle: a full B
+    for mb in range(2):
+        with stores[1].deferring(mb):  # I: input grads (and LayerNorm / embedding grads) only
+            split(x[2 * mb:2 * mb + 2], y[2 * mb:2 * mb + 2])[1].backward()
+    assert split.lm_head.weight.grad is None and split.blocks[0].ln_1.weight.grad is not None
+    assert stores[1].pending() == [0, 1]
+    for mb in range(2):
+        stores[1].flush(mb)  # W
+    stores[1].reset()
+    g_full, g_split, g_plain = _grads(full), _grads(split), _grads(plain)
+    assert g_full.keys() == g_split.keys() == g_plain.keys()
+    for n in g_full:  # the same ops in the same order: bit for bit
+        assert torch.equal(g_full[n], g_split[n]), n
+    # Against torch's own nn.Linear backward: equal on torch 2.13's CPU kernels; the bound leaves room for
+    # a BLAS that sums in another order.
+    for n in g_full:
+        assert (g_full[n] - g_plain[n]).abs().max() <= 1e-6 * g_plain[n].abs().max(), n
+    assert unsplit_linears(split) == 17 and type(split.lm_head) is nn.Linear
+
+
+def test_weight_grad_store_refuses_a_w_without_its_i_and_an_i_run_twice() -> None:
+    model, store = _model(), WeightGradStore()
+    split_linears(model, store)
+    x, y = _data(2)
+    with pytest.raises(RuntimeError, match="without its I"):
+        store.flush(0)
+    with store.deferring(0):
+        model(x, y)[1].backward()
+    with pytest.raises(RuntimeError, match="ran twice"), store.deferring(0):
+        pass
+    with pytest.raises(RuntimeError, match="never W"):
+        store.reset()
+    store.flush(0)
+    with pytest.raises(RuntimeError, match="W ran twice"):
+        store.flush(0)
+    store.reset()
+
+
+# -- one stage at a time, in one process ------------------------------------------------------------
+def _two_stage_step(remat: bool, dealloc: bool, dropout: float = 0.0, split: bool = False,
+                    memory: bool = False) -> tuple[GPT, list[StageRuntime], torch.Tensor, PipelineMemory | None]:
+    model = _model(dropout)
+    model.train()
+    stages = split_gpt(model, 2)
+    mem = PipelineMemory(model.parameters()) if memory else None
+    stores = [WeightGradStore() if split else None for _ in stages]
+    for s, store in zip(stages, stores):
+        if store is not None:
+            split_linears(s, store)
+    rt = [StageRuntime(s, CPU, remat=remat, store=st, memory=mem) for s, st in zip(stages, stores)]
+    x, y = _data()
+    torch.manual_seed(11)  # dropout masks
+    outs, losses = [], []
+    for mb in range(2):
+        out = rt[0].forward(mb, x[2 * mb:2 * mb + 2].clone())
+        outs.append(out)
+        recv = out.detach().clone()  # what a receive buffer would hold
+        if dealloc:
+            assert rt[0].deallocate_output(mb) == (0 if remat else 2 * 16 * 32 * 4)
+        losses.append(rt[1].forward(mb, recv, y[2 * mb:2 * mb + 2].clone(), 0.5))
+        if mem is not None:
+            mem.observe()
+    for mb in range(2):
+        g = rt[1].backward(mb, split=split)
+        rt[0].backward(mb, g, split=split)
+        if split:
+            rt[1].weight(mb)
+            rt[0].weight(mb)
+    for r in rt:
+        r.finish()
+    return model, rt, torch.stack(losses), mem
+
+
+def test_stage_runtime_matches_the_serial_model() -> None:
+    x, y = _data()
+    ref = _model()
+    ref(x, y)[1].backward()
+    for remat, dealloc, split in [(False, False, False), (False, True, False), (True, False, False),
+                                  (False, True, True)]:
+        model, _, losses, _ = _two_stage_step(remat, dealloc, split=split)
+        assert abs(losses.mean().item() - ref(x, y)[1].item()) < 1e-6
+        got, want = _grads(model), _grads(ref)
+        assert got.keys() == want.keys()
+        for n in want:
+            assert (got[n] - want[n]).abs().max() <= TOL * want[n].abs().max(), (remat, dealloc, split, n)
+
+
+def test_deallocated_output_keeps_its_graph_and_remat_replays_dropout_exactly() -> None:
+    model, rt, _, _ = _two_stage_step(remat=False, dealloc=False, dropout=0.1)
+    base = _grads(model)
+    rng_after = torch.get_rng_state()
+    for remat, dealloc in [(False, True), (True, False), (True, True)]:
+        model, rt, _, _ = _two_stage_step(remat=remat, dealloc=dealloc, dropout=0.1)
+        got = _grads(model)
+        assert all(torch.equal(got[n], base[n]) for n in base), (remat, dealloc)
+        # The replay restored the RNG it borrowed: later random numbers are those of a run without remat.
+        assert torch.equal(torch.get_rng_state(), rng_after)
+
+
+def test_deallocation_frees_the_output_but_not_the_sent_bytes() -> None:
+    model = _model()
+    stage = StageRuntime(split_gpt(model, 2)[0], CPU)
+    x, _ = _data(2)
+    out = stage.forward(0, x)
+    alias = out.detach()  # what the send holds
+    before = alias.clone()
+    assert stage.deallocate_output(0) == 2 * 16 * 32 * 4
+    assert out.shape == (1,) and out.grad_fn is not None
+    assert torch.equal(alias, before)  # the send still reads the old values
+    assert stage.backward(0, torch.ones(2, 16, 32)) is None  # first stage: no input gradient
+    stage.finish()
+
+
+def test_memory_counts_saved_tensors_inputs_and_w_stores() -> None:
+    model, rt, _, mem = _two_stage_step(remat=False, dealloc=True, memory=True)
+    assert mem is not None
+    per_mb = mem.summary()["per_mb_bytes"]
+    assert per_mb["0"][0] == per_mb["0"][1] > 0 and per_mb["1"][0] == per_mb["1"][1] > 0
+    # Both micro-batches in flight on both stages at the peak (GPipe-like order above).
+    assert mem.peak_bytes == 2 * (per_mb["0"][0] + per_mb["1"][0])
+    assert mem.freed_by_deallocation == 2 * 2 * 16 * 32 * 4
+    assert mem.entries == {}
+    _, _, _, kept = _two_stage_step(remat=False, dealloc=False, memory=True)
+    assert kept is not None
+    assert kept.summary()["per_mb_bytes"]["0"][0] - per_mb["0"][0] == 2 * 16 * 32 * 4
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert params  # parameters never enter an entry (checked through the exact counts above)
+
+
+# -- plumbing ---------------------------------------------------------------------------------------
+def test_labels_name_the_action() -> None:
+    for a in [Action(2, "SEND_F", 5), Action(3, "RECV_F", 5), Action(1, "SEND_B", 0), Action(0, "RECV_B", 7)]:
+        op = "send" if a.kind.startswith("SEND") else "recv"
+        assert action_of_record(CommRecord(op=op, nbytes=4, group_size=2, label=comm_label(a))) == a
+    assert comm_label(Action(2, "SEND_F", 5)) == "pp F s2 mb5" and comm_label(Action(2, "RECV_B", 1)) == "pp B s2 mb1"
+    assert peer_stage(Action(2, "SEND_F", 0)) == 3 and peer_stage(Action(2, "SEND_B", 0)) == 1
+    assert action_of_record(CommRecord(op="all_reduce", nbytes=4, group_size=2, label="pp dp grads s0")) is None
+
+
+def test_check_plan_rejects_bad_plans_before_any_process_starts() -> None:
+    check_plan(PipelinePlan("interleaved", 8, 2), pp_size=4, n_layer=8, batch_size=16)
+    with pytest.raises(ValueError, match="8 stages, but the model has 4 blocks"):
+        check_plan(PipelinePlan("interleaved", 8, 2), pp_size=4, n_layer=4, batch_size=16)
+    with pytest.raises(ValueError, match="does not split into 3"):
+        check_plan(PipelinePlan("1f1b", 3), pp_size=2, n_layer=4, batch_size=8)
+    with pytest.raises(ValueError, match="multiple of num_ranks"):
+        check_plan(PipelinePlan("interleaved", 6, 2), pp_size=4, n_layer=8, batch_size=12)
+    with pytest.raises(ValueError, match="dualpipev needs"):
+        check_plan(PipelinePlan("dualpipev", 4, 2), pp_size=4, n_layer=8, batch_size=8)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        check_plan(PipelinePlan("pipedream"), pp_size=2, n_layer=4, batch_size=8)
+    with pytest.raises(ValueError, match="unknown partition"):
+        check_plan(PipelinePlan(partition="flops"), pp_size=2, n_layer=4, batch_size=8)
+    with pytest.raises(ValueError, match="positive int"):
+        check_plan(PipelinePlan(microbatches=0), pp_size=2, n_layer=4, batch_size=8)
+
+
+# -- real processes ---------------------------------------------------------------------------------
+ROWS, T, C = 8, 16, 32  # tests/pipeline_workers.py: global batch, sequence, width
+
+
+def _cases(p: int) -> list[dict[str, Any]]:
+    cases: list[dict[str, Any]] = []
+
+    def add(name: str, **kw: Any) -> None:
+        cases.append({"name": name, **kw})
+
+    for m in (1, 4):
+        add(f"naive m{m}", schedule="naive", m=m)
+    for sched in ("gpipe", "1f1b", "zb-h1"):
+        for m in (1, 4, 8):
+            add(f"{sched} m{m}", schedule=sched, m=m)
+    for m in sorted({4, 8}):
+        add(f"interleaved m{m}", schedule="interleaved", m=m, v=2)
+    for m in sorted({2 * p, 8}):
+        add(f"dualpipev m{m}", schedule="dualpipev", m=m, v=2)
+    add("custom 1f1b-iw m4", schedule="1f1b", m=4, custom=True)
+    add("timeline", schedule="1f1b", m=4, timeline=True)
+    # Same schedule with remat / without deallocation: identical gradients.
+    add("1f1b m8 remat", schedule="1f1b", m=8, remat=True, base="1f1b m8")
+    add("zb-h1 m8 remat keep", schedule="zb-h1", m=8, remat=True, dealloc=False, base="zb-h1 m8")
+    add("interleaved m8 remat", schedule="interleaved", m=8, v=2, remat=True, base="interleaved m8")
+    add("dualpipev m8 keep", schedule="dualpipev", m=8, v=2, dealloc=False, base="dualpipev m8")
+    add("dualpipev m8 remat", schedule="dualpipev", m=8, v=2, remat=True, base="dualpipev m8")
+    add("1f1b m4 by time", schedule="1f1b", m=4, partition="time")  # measured costs, averaged over ranks
+    # Memory, m = 8.
+    for sched in ("gpipe", "1f1b"):
+        add(f"mem {sched}", schedule=sched, m=8, memory=True)
+        add(f"mem {sched} keep", schedule=sched, m=8, memory=True, dealloc=False, base=f"{sched} m8")
+    add("mem 1f1b remat", schedule="1f1b", m=8, memory=True, remat=True, base="1f1b m8")
+    add("mem zb-h1", schedule="zb-h1", m=8, memory=True)
+    return cases
+
+
+@pytest.fixture(scope="module", params=[pytest.param(tuple(q.values), marks=q.marks, id=q.id)
+                                        for q in nproc_backends(2, 4)])
+def pp_run(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
+    """One launch per (world size = pipeline size, backend), running every case."""
+    nproc, backend = request.param
+    return nproc, run_workers("tests.pipeline_workers:suite", nproc, backend=backend, timeout=240, pp=nproc,
+                              cases=_cases(nproc))
+
+
+def test_every_schedule_matches_the_serial_model(pp_run: tuple[int, list[dict[str, Any]]]) -> None:
+    p, results = pp_run
+    all_names = results[0]["all_names"]
+    for name in (c["name"] for c in _cases(p)):
+        held: list[str] = []
+        for r in results:
+            case = r["cases"][name]
+            assert case["loss_err"] <= TOL, (name, r["rank"], case["loss_err"])
+            assert case["grad_err"] <= TOL, (name, r["rank"], case["grad_err"])
+            assert case["missing_grads"] == [], (name, r["rank"])
+            assert case["dp_sync"] == []  # dp = 1: nothing to average
+            held += case["names"]
+        assert sorted(held) == all_names, name  # every parameter on exactly one rank
+
+
+def test_remat_and_deallocation_change_no_gradient(pp_run: tuple[int, list[dict[str, Any]]]) -> None:
+    p, results = pp_run
+    exact = all(r["device"] == "cpu" for r in results)  # CUDA kernels may sum in varying order
+    for name in (c["name"] for c in _cases(p) if "base" in c):
+        for r in results:
+            diff = r["cases"][name]["diff_vs_base"]
+            assert diff == 0.0 if exact else diff <= 1e-6, (name, r["rank"], diff)
+
+
+def test_p2p_actions_are_posted_and_labelled_as_planned(pp_run: tuple[int, list[dict[str, Any]]]) -> None:
+    p, results = pp_run
+    for name in ("1f1b m8", "interleaved m8", "dualpipev m8", "zb-h1 m4"):
+        for r in results:
+            case = r["cases"][name]
+            assert case["p2p"] == case["comm_actions"], (name, r["rank"])
+            assert case["p2p_bytes"] == [ROWS // int(name.split("m")[-1]) * T * C * 4], (name, r["rank"])
+    timeline = results[0]["cases"]["timeline"]["timeline"]
+    schedule = build_schedule("1f1b", p, 4)
+    assert timeline["ranks"] == p and timeline["ordered"]
+    assert timeline["compute"] == [len(schedule.compute[r]) for r in range(p)]
+    assert timeline["comm"] == [sum(a.is_comm for a in schedule.actions(r)) for r in range(p)]
+
+
+def test_activation_memory_follows_the_schedule(pp_run: tuple[int, list[dict[str, Any]]]) -> None:
+    p, results = pp_run
+    m, out_bytes = 8, (ROWS // 8) * T * C * 4
+    for r in results:
+        rank = r["pp_rank"]
+        stage = str(rank)
+        mem = {k: r["cases"][k]["memory"] for k in ("mem gpipe", "mem 1f1b", "mem gpipe keep", "mem 1f1b keep",
+                                                     "mem 1f1b remat")}
+        e = mem["mem gpipe"]["per_mb_bytes"][stage]
+        assert len(set(e)) == 1 and mem["mem 1f1b"]["per_mb_bytes"][stage] == e  # every micro-batch alike
+        e = e[0]
+        in_flight = min(m, p - rank)
+        assert mem["mem gpipe"]["peak_bytes"] == m * e  # GPipe: all m micro-batches in flight
+        assert mem["mem 1f1b"]["peak_bytes"] == in_flight * e  # 1F1B: p - rank
+        sent = 0 if rank == p - 1 else out_bytes  # the last stage sends no activation
+        for sched, k in (("gpipe", m), ("1f1b", in_flight)):
+            keep = mem[f"mem {sched} keep"]
+            assert keep["per_mb_bytes"][stage] == [e + sent] * m
+            assert keep["peak_bytes"] - mem[f"mem {sched}"]["peak_bytes"] == k * sent
+            assert mem[f"mem {sched}"]["freed_by_deallocation"] == m * sent and keep["freed_by_deallocation"] == 0
+        remat = mem["mem 1f1b remat"]
+        kept_input = remat["per_mb_bytes"][stage][0]
+        assert kept_input < e and remat["remat_forwards"] == m
+        # The kept inputs, plus one re-run micro-batch holding all a forward holds (its output included).
+        assert remat["peak_bytes"] == (in_flight - 1) * kept_input + e + sent
+
+
+@pytest.mark.parametrize("backend", backends(4))
+def test_data_parallel_times_pipeline_and_accumulation_match_serial(backend: str) -> None:
+    cases = [{"name": "1f1b m4", "schedule": "1f1b", "m": 4},
+             {"name": "gpipe m2", "schedule": "gpipe", "m": 2},
+             {"name": "interleaved m4", "schedule": "interleaved", "m": 4, "v": 2},
+             {"name": "zb-h1 m4", "schedule": "zb-h1", "m": 4},
+             {"name": "dualpipev m4", "schedule": "dualpipev", "m": 4, "v": 2},
+             {"name": "accumulate 1f1b m2", "schedule": "1f1b", "m": 2, "accumulate": True, "base": "1f1b m4"}]
+    results = run_workers("tests.pipeline_workers:suite", 4, backend=backend, timeout=180, pp=2, dp=2, cases=cases)
+    for c in cases:
+        for r in results:
+            case = r["cases"][c["name"]]
+            assert case["loss_err"] <= TOL and case["grad_err"] <= TOL, (c["name"], r["rank"], case)
+            assert case["dp_sync"] == [f"pp dp grads s{s}" for s in case["stages"]], (c["name"], r["rank"])
+    for r in results:  # two half batches (loss_scale 0.5, one sync) = one whole batch, to rounding
+        assert r["cases"]["accumulate 1f1b m2"]["diff_vs_base"] <= 1e-7, r["rank"]
