@@ -15,34 +15,20 @@ from typing import Any
 
 import torch
 
-from lslm.models.gpt import GPT, GPTConfig
+from lslm.models.gpt import GPT
 from lslm.pipeline.torch_reference import TorchPipeline
 from lslm.runtime import init_distributed
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import RankGrid
+from tests.pipeline_workers import SEED, config, serial
+from tests.pipeline_workers import batch as shared_batch
 
-SEED, ROWS, T, VOCAB = 1234, 16, 16, 96
-
-
-def config() -> GPTConfig:
-    """8 blocks: enough for 2 stages per rank at p = 4."""
-    return GPTConfig.tiny(n_layer=8, block_size=T, vocab_size=VOCAB, n_embd=32, n_head=2)
+ROWS = 16  # 16 rows: m = 8 micro-batches of 2
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """A fixed global batch of token ids and next-token targets."""
-    g = torch.Generator().manual_seed(7)
-    tok = torch.randint(0, VOCAB, (ROWS, T + 1), generator=g)
-    return tok[:, :-1], tok[:, 1:]
-
-
-def serial(x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
-    """Loss and gradients of the whole batch in one process."""
-    torch.manual_seed(SEED)
-    model = GPT(config())
-    _, loss = model(x, y)
-    loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    """A fixed global batch of token ids and next-token targets (16 rows)."""
+    return shared_batch(ROWS)
 
 
 def _context(ctx: ParallelContext, pp: int, cache: dict[int, ParallelContext]) -> ParallelContext:

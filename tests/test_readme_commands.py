@@ -52,6 +52,7 @@ TRAIN = "python -m lslm.recipes.train --steps 50 --out runs/baseline.json"
 DDP = "python -m lslm.recipes.ddp --nproc 2 --variant bucketed --model gpt"
 TORCHRUN_DDP = "torchrun --nproc-per-node 2 -m lslm.recipes.ddp --variant bucketed --model gpt"
 TP = "python -m lslm.recipes.tp --nproc 2 --tp 2 --sequence-parallel"
+PP = "python -m lslm.recipes.pipeline --nproc 2 --pp 2 --schedule 1f1b --microbatches 4"
 MULTI_NODE = (".venv/bin/python -m torch.distributed.run --nnodes=N --nproc-per-node=GPUS_PER_NODE "
               "--rdzv-backend=c10d --rdzv-endpoint=HOST_OF_NODE_0:29500 --rdzv-id=myjob "
               "-m lslm.runtime.worker --target lslm.demos.smoke:worker --args-file args.json --result-dir results/")
@@ -65,11 +66,13 @@ SMALLEST: dict[str, tuple[str | dict[str, str], str]] = {
     DDP: ("--steps 2", "30 DDP steps: 2 show the launch, the sync and the result"),
     TORCHRUN_DDP: ("--steps 2", "as above, started by torchrun instead of by the recipe"),
     TP: ("--steps 2", "30 tensor-parallel steps: 2 show the launch, the layers' traffic and the result"),
+    PP: ("--steps 2", "30 pipeline-parallel steps: 2 show the launch, the schedule's traffic and the result"),
     "lslm bench collectives": ("--nprocs 2 --sizes-kib 4 --repeats 1",
                                "full sweep (4 KiB-64 MiB, 2 and 4 processes) takes minutes"),
     "lslm bench launch": ("--nprocs 1 --repeats 1", "5 repeats at 2 and 4 processes take a minute"),
     "lslm bench ddp": ("--quick --nprocs 2 --steps 1 --sweep-mb 1", "the full bench takes minutes"),
     "lslm bench tp": ("--quick --nprocs 2 --steps 1", "the full bench takes a minute"),
+    "lslm bench pipeline": ("--quick --nprocs 2 --microbatches 4", "the full bench takes minutes"),
     MULTI_NODE: ({"N": "2", "GPUS_PER_NODE": "1", "HOST_OF_NODE_0:29500": "127.0.0.1:{port}"},
                  "two 'nodes' on this machine: the line runs twice at once, one process each, "
                  "a free port on localhost as node 0's endpoint"),
@@ -273,12 +276,12 @@ def test_recipes_smallest(in_tmp: Path) -> None:
     out = _run(_argv(TRAIN), in_tmp)
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(json.loads((in_tmp / "runs" / "baseline.json").read_text())["losses"]) == 2
-    for command in (DDP, TORCHRUN_DDP, TP):
+    for command in (DDP, TORCHRUN_DDP, TP, PP):
         out = _run(_argv(command), in_tmp)
         assert out.returncode == 0, f"{command}\n{out.stderr[-3000:]}"
 
 
-@pytest.mark.parametrize("name", ["collectives", "launch", "ddp", "tp"])
+@pytest.mark.parametrize("name", ["collectives", "launch", "ddp", "tp", "pipeline"])
 def test_bench_smallest(name: str, in_tmp: Path) -> None:
     rc, out = _run_lslm(_argv(f"lslm bench {name}"))
     assert rc == 0, out

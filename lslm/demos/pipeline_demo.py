@@ -21,7 +21,7 @@ from lslm.pipeline.apply import PipelinePlan, apply_pipeline
 from lslm.pipeline.partition import partition_units, unit_costs, unit_names
 from lslm.runtime import init_distributed
 
-__all__ = ["DEMO_MODEL", "partition_report", "schedules_worker"]
+__all__ = ["DEMO_MODEL", "partition_report", "schedules_worker", "torch_side_by_side_worker", "two_bw_worker"]
 
 #: The notebook's GPT: deep enough for 2 x 4 virtual stages, wide enough that compute dominates per-action overhead.
 DEMO_MODEL: dict[str, int] = dict(vocab_size=1024, block_size=64, n_layer=8, n_head=4, n_embd=128)
@@ -43,6 +43,14 @@ def partition_report(num_stages: int = 4, **model: int) -> dict[str, Any]:
         bounds = partition_units(unit_costs(gpt, method), num_stages)
         out[method] = {"boundaries": bounds, "stage_params": [sum(params[a:b]) for a, b in bounds]}
     return out
+
+
+def _batch(cfg: GPTConfig, rows: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fixed batch of random tokens and targets, the same on every rank (seeded on the CPU, then moved)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randint(0, cfg.vocab_size, (rows, cfg.block_size), generator=g)  # lslm: cpu-ok (seeded)
+    y = torch.randint(0, cfg.vocab_size, (rows, cfg.block_size), generator=g)  # lslm: cpu-ok (seeded)
+    return x.to(device), y.to(device)
 
 
 def _serial_reference(cfg: GPTConfig, seed: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, dict[str, Any]]:
@@ -67,10 +75,7 @@ def schedules_worker(runs: list[dict[str, Any]], model: dict[str, int] | None = 
     cfg = GPTConfig(**{**DEMO_MODEL, **(model or {})})
     ctx = init_distributed(pp=int(__import__("os").environ.get("WORLD_SIZE", "1")), seed=seed)
     with ctx:
-        g = torch.Generator().manual_seed(seed + 1)
-        x = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), generator=g)  # lslm: cpu-ok (seeded)
-        y = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), generator=g)  # lslm: cpu-ok (seeded)
-        x, y = x.to(ctx.device), y.to(ctx.device)
+        x, y = _batch(cfg, batch_size, seed, ctx.device)
         serial_loss, serial_grads = _serial_reference(cfg, seed, x, y)
         results = []
         for run in runs:
@@ -97,3 +102,80 @@ def schedules_worker(runs: list[dict[str, Any]], model: dict[str, int] | None = 
         assert all(math.isfinite(r["loss"]) for r in results)
         return {"rank": ctx.rank, "pp": ctx.pp_size, "batch_size": batch_size, "model": cfg.__dict__,
                 "results": results}
+
+
+def torch_side_by_side_worker(schedules: list[str], microbatches: int = 8, model: dict[str, int] | None = None,
+                              batch_size: int = 16, seed: int = 0) -> dict[str, Any]:
+    """Launch target: each lslm schedule and its ``torch.distributed.pipelining`` twin on the same GPT and batch.
+
+    For every name in ``schedules`` (lslm names; :data:`~lslm.pipeline.torch_reference.LSLM_TO_TORCH`
+    gives torch's class), both pipelines are built from one seed and run one step from zero
+    gradients. This rank returns, per schedule: torch's class, both losses, the serial loss,
+    and the largest ``|lslm - torch|`` and ``|lslm - serial|`` over this rank's gradients.
+    """
+    from lslm.pipeline.torch_reference import TorchPipeline, torch_spec
+
+    cfg = GPTConfig(**{**DEMO_MODEL, **(model or {})})
+    ctx = init_distributed(pp=int(__import__("os").environ.get("WORLD_SIZE", "1")), seed=seed)
+    with ctx:
+        x, y = _batch(cfg, batch_size, seed, ctx.device)
+        serial_loss, serial_grads = _serial_reference(cfg, seed, x, y)
+        out = []
+        for name in schedules:
+            v = 2 if name in ("interleaved", "dualpipev") else 1
+            torch.manual_seed(seed)
+            ours = apply_pipeline(GPT(cfg), ctx, PipelinePlan(schedule=name, microbatches=microbatches,
+                                                              virtual_stages=v))
+            lslm_loss = ours.step(x, y).item()
+            torch.manual_seed(seed)
+            theirs = TorchPipeline(GPT(cfg), ctx, name, microbatches, v)
+            torch_loss = theirs.step(x, y).item()
+            a, b = dict(ours.named_parameters()), dict(theirs.named_parameters())
+            out.append({"schedule": name, "torch_class": torch_spec(name)[0], "lslm_loss": lslm_loss,
+                        "torch_loss": torch_loss, "serial_loss": serial_loss,
+                        "max_grad_diff_torch": max((a[n].grad - b[n].grad).abs().max().item() for n in a),
+                        "max_grad_diff_serial": max((a[n].grad - serial_grads[n]).abs().max().item() for n in a),
+                        "max_grad": max(serial_grads[n].abs().max().item() for n in a)})
+        return {"rank": ctx.rank, "results": out}
+
+
+def two_bw_worker(microbatches: int = 4, num_batches: int = 6, rows: int = 8, lr: float = 0.5,
+                  seed: int = 0) -> dict[str, Any]:
+    """Launch target: PipeDream-2BW on every rank against the serial delayed (2BW) and undelayed (Flush) rules.
+
+    A small GPT (4 blocks, 256-token vocabulary, sequences of 16) trains on ``num_batches``
+    batches of counting sequences (each token the previous one plus 1) with plain SGD
+    through :func:`~lslm.pipeline.pipedream_2bw.run_2bw`; every
+    rank then replays both update rules serially from the same start and data
+    (:func:`~lslm.pipeline.pipedream_2bw.simulate_delayed_sgd`, delay 1 and 0). Returns this
+    rank's largest parameter difference from each, the three loss curves, and the bytes of
+    its weight versions next to PipeDream's weight stashing.
+    """
+    import copy
+
+    from lslm.pipeline.partition import split_gpt
+    from lslm.pipeline.pipedream_2bw import run_2bw, simulate_delayed_sgd
+
+    cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=4, n_head=4, n_embd=64)
+    ctx = init_distributed(pp=int(__import__("os").environ.get("WORLD_SIZE", "1")), seed=seed)
+    with ctx:
+        torch.manual_seed(seed)
+        model = GPT(cfg)
+        start = copy.deepcopy(model)
+        g = torch.Generator().manual_seed(seed + 1)
+        data = []
+        for _ in range(num_batches):
+            # Learnable sequences (each token is the previous one + 1) so the loss curves go somewhere.
+            first = torch.randint(0, cfg.vocab_size, (rows, 1), generator=g)  # lslm: cpu-ok (seeded)
+            tok = (first + torch.arange(cfg.block_size + 1)) % cfg.vocab_size  # lslm: cpu-ok (seeded data)
+            data.append((tok[:, :-1], tok[:, 1:]))
+        res = run_2bw(model, ctx, data, microbatches=microbatches, lr=lr)
+        sims = {d: simulate_delayed_sgd(copy.deepcopy(start), data, lr=lr, microbatches=microbatches, delay=d)
+                for d in (0, 1)}
+        stage = split_gpt(model, ctx.pp_size)[ctx.pp_rank]
+        diff = {d: max((p.detach().cpu() - sims[d].states[-1][name]).abs().max().item()
+                       for name, p in stage.model_names()) for d in sims}
+        return {"rank": ctx.rank, "losses": res.losses, "delayed_losses": sims[1].losses,
+                "flush_losses": sims[0].losses, "diff_delayed": diff[1], "diff_flush": diff[0],
+                "version_bytes": res.version_bytes, "stage_bytes": res.stage_bytes,
+                "pipedream_stash_bytes": res.pipedream_stash_bytes}

@@ -25,7 +25,7 @@ from lslm.harness.recipe import Built, gather_summaries, summarize, train_loop, 
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.startup import RankEnv, init_distributed
 
-__all__ = ["Recipe", "launch_recipe", "recipe_main", "run_many", "run_or_launch", "run_rank"]
+__all__ = ["Recipe", "entry_points", "launch_recipe", "recipe_main", "run_many", "run_or_launch", "run_rank"]
 
 
 @dataclass(frozen=True)
@@ -141,3 +141,40 @@ def recipe_main(recipe: Recipe, argv: Sequence[str] | None = None) -> tuple[Any,
     except ValueError as exc:
         parser.error(str(exc))
     return cfg, run_or_launch(recipe, cfg, extra["nproc"])
+
+
+def entry_points(recipe: Recipe) -> tuple[Callable[..., dict[str, Any]], Callable[..., list[dict[str, Any]]],
+                                           Callable[..., Any]]:
+    """A recipe module's three public functions, ``worker, compare, run = entry_points(RECIPE)``.
+
+    * ``worker(**cfg)``: one rank of a launched run (:func:`run_rank`); every rank returns its
+      record (``losses`` is the global per-step loss on every rank), rank 0 writes ``out``;
+    * ``compare(runs, **common)``: several runs one after another in one process group
+      (:func:`run_many`); run ``i`` is ``config(**common, **runs[i])``;
+    * ``run(nproc, *, runs=None, timeout=600.0, output="rank0", **cfg)``: validate the settings
+      for ``nproc`` ranks, then launch ``worker`` (one record per rank) or, with ``runs``,
+      ``compare`` (``result[rank][i]`` is run ``i``'s record); bad settings raise ``ValueError``
+      before any process starts.
+
+    ``worker`` and ``compare`` are the launch targets ``"<recipe.module>:worker"`` / ``":compare"``.
+    """
+    name = recipe.config.__name__
+
+    def worker(**kwargs: Any) -> dict[str, Any]:
+        return run_rank(recipe, **kwargs)
+
+    def compare(runs: list[dict[str, Any]], **common: Any) -> list[dict[str, Any]]:
+        return run_many(recipe, runs, **common)
+
+    def run(nproc: int = 2, *, runs: list[dict[str, Any]] | None = None, timeout: float = 600.0,
+            output: str = "rank0", **kwargs: Any) -> Any:
+        return launch_recipe(recipe, nproc, runs=runs, timeout=timeout, output=output, **kwargs)
+
+    worker.__doc__ = f"One rank of a launched run; ``kwargs`` are :class:`{name}` fields. Returns this rank's record."
+    compare.__doc__ = f"Several runs in one process group; run ``i`` is ``{name}(**common, **runs[i])``."
+    run.__doc__ = (f"Validate ``{name}(**kwargs)`` for ``nproc`` ranks, then launch: one record per rank, or with "
+                   f"``runs`` ``result[rank][i]`` for run ``i``.")
+    for fn in (worker, compare, run):
+        fn.__module__ = recipe.module
+        fn.__qualname__ = fn.__name__
+    return worker, compare, run

@@ -28,7 +28,7 @@ from torch import nn
 from lslm.models.gpt import GPT
 from lslm.pipeline.executor import PipelineExecutor, gather_timeline
 from lslm.pipeline.memory import PipelineMemory
-from lslm.pipeline.partition import METHODS, GPTStage, partition_units, split_gpt, unit_costs
+from lslm.pipeline.partition import METHODS, GPTStage, partition_units, split_gpt, stage_parameters, unit_costs
 from lslm.pipeline.split_backward import WeightGradStore, split_linears
 from lslm.pipeline.stage import StageRuntime
 from lslm.pipeline.timeline import Event, Timeline
@@ -99,21 +99,11 @@ class PipelineModel:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters (every stage it holds), each once."""
-        seen: set[int] = set()
-        for s in sorted(self.stages):
-            for p in self.stages[s].parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield p
+        return (p for _, p in stage_parameters(self.stages))
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """``(name in the GPT, parameter)`` for :meth:`parameters`."""
-        seen: set[int] = set()
-        for s in sorted(self.stages):
-            for name, p in self.stages[s].model_names():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield name, p
+        return stage_parameters(self.stages)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, *, loss_scale: float = 1.0,
              sync_grads: bool = True) -> torch.Tensor:

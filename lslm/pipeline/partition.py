@@ -31,7 +31,7 @@ from torch import nn
 
 from lslm.models.gpt import GPT
 
-__all__ = ["METHODS", "GPTStage", "partition_units", "split_gpt", "unit_costs", "unit_names"]
+__all__ = ["METHODS", "GPTStage", "partition_units", "split_gpt", "stage_parameters", "unit_costs", "unit_names"]
 
 METHODS = ("layers", "params", "time")
 
@@ -282,3 +282,13 @@ def split_gpt(model: GPT, num_stages: int, method: str = "layers",
             raise ValueError(f"unknown partition method {method!r}; choose one of {METHODS}")
         ranges = _check_boundaries(boundaries, num_stages, n_blocks + 2)
     return [GPTStage(model, s, num_stages, a, b) for s, (a, b) in enumerate(ranges)]
+
+
+def stage_parameters(stages: dict[int, GPTStage]) -> Iterator[tuple[str, nn.Parameter]]:
+    """``(name in the GPT, parameter)`` of every stage in ``stages`` (by stage index), each parameter once."""
+    seen: set[int] = set()
+    for s in sorted(stages):
+        for name, p in stages[s].model_names():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from lslm.models.gpt import GPT
-from lslm.pipeline.partition import METHODS, GPTStage, partition_units, split_gpt, unit_costs
+from lslm.pipeline.partition import METHODS, GPTStage, partition_units, split_gpt, stage_parameters, unit_costs
 from lslm.runtime.context import ParallelContext
 
 __all__ = ["LSLM_TO_TORCH", "TORCH_SCHEDULES", "TorchPipeline", "TorchScheduleSpec", "check_torch_config",
@@ -214,21 +214,11 @@ class TorchPipeline:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters (every stage it holds), each once."""
-        seen: set[int] = set()
-        for s in sorted(self.stages):
-            for p in self.stages[s].parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield p
+        return (p for _, p in stage_parameters(self.stages))
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """``(name in the GPT, parameter)`` for :meth:`parameters`."""
-        seen: set[int] = set()
-        for s in sorted(self.stages):
-            for name, p in self.stages[s].model_names():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield name, p
+        return stage_parameters(self.stages)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, *, sync_grads: bool = True) -> torch.Tensor:
         """Forward and backward of this replica's batch ``x`` -> ``y`` (token ids ``(B, T)``) by torch's schedule.

@@ -56,11 +56,9 @@ from lslm.harness import (
     Marks,
     Recipe,
     StepTimer,
-    launch_recipe,
+    entry_points,
     option,
     recipe_main,
-    run_many,
-    run_rank,
     summarize,
 )
 from lslm.recipes.train import TrainConfig, build_model, make_optimizer
@@ -221,33 +219,7 @@ RECIPE = Recipe("lslm.recipes.ddp", DDPConfig, build, check_config,
                 "Data-parallel training (run under torchrun, or pass --nproc).")
 
 
-def worker(**kwargs: Any) -> dict[str, Any]:
-    """One rank of a data-parallel run; ``kwargs`` are :class:`DDPConfig` fields.
-
-    Every rank returns its own record (``losses`` is the global per-step loss on every
-    rank); with ``out`` set rank 0 writes the run log with every rank's summary.
-    """
-    return run_rank(RECIPE, **kwargs)
-
-
-def compare(runs: list[dict[str, Any]], **common: Any) -> list[dict[str, Any]]:
-    """Several runs one after another in *one* process group; run ``i`` is ``DDPConfig(**common, **runs[i])``.
-
-    E.g. ``runs=[{"variant": v} for v in VARIANTS]`` trains every variant on identical
-    weights and data. Returns this rank's record of each run; ``out`` is ignored.
-    """
-    return run_many(RECIPE, runs, **common)
-
-
-def run(nproc: int = 2, *, runs: list[dict[str, Any]] | None = None, timeout: float = 600.0, output: str = "rank0",
-        **kwargs: Any) -> Any:
-    """Validate the settings for ``nproc`` ranks, then ``lslm.launch`` the job.
-
-    Without ``runs``: :func:`worker` with ``DDPConfig(**kwargs)``; the result is one
-    record per rank. With ``runs``: :func:`compare`, and ``result[rank][i]`` is run
-    ``i``'s record. Bad settings raise ``ValueError`` here, before any process starts.
-    """
-    return launch_recipe(RECIPE, nproc, runs=runs, timeout=timeout, output=output, **kwargs)
+worker, compare, run = entry_points(RECIPE)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

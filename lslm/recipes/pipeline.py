@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader
 
 from lslm.data.dataset import token_blocks
 from lslm.data.sampler import make_sampler
-from lslm.harness import Built, Marks, Recipe, StepTimer, launch_recipe, option, recipe_main, run_many, run_rank
+from lslm.harness import Built, Marks, Recipe, StepTimer, entry_points, option, recipe_main
 from lslm.harness import summarize as summarize_run
 from lslm.pipeline.apply import PipelinePlan, apply_pipeline, check_plan
 from lslm.pipeline.partition import METHODS
@@ -196,24 +196,7 @@ RECIPE = Recipe("lslm.recipes.pipeline", PipelineConfig, build, check_config,
                 grid=lambda cfg: {"pp": cfg.pp, "dp": cfg.dp})
 
 
-def worker(**kwargs: Any) -> dict[str, Any]:
-    """One rank of a pipeline-parallel run; ``kwargs`` are :class:`PipelineConfig` fields; returns its record."""
-    return run_rank(RECIPE, **kwargs)
-
-
-def compare(runs: list[dict[str, Any]], **common: Any) -> list[dict[str, Any]]:
-    """Several runs one after another in one process group; run ``i`` is ``PipelineConfig(**common, **runs[i])``."""
-    return run_many(RECIPE, runs, **common)
-
-
-def run(nproc: int = 2, *, runs: list[dict[str, Any]] | None = None, timeout: float = 600.0, output: str = "rank0",
-        **kwargs: Any) -> Any:
-    """Validate the settings for ``nproc`` ranks, then ``lslm.launch`` the job (see ``lslm.recipes.ddp.run``).
-
-    Without ``runs``: one record per rank; with ``runs``: ``result[rank][i]`` is run ``i``'s.
-    """
-    return launch_recipe(RECIPE, nproc, runs=runs, timeout=timeout, output=output, **kwargs)
-
+worker, compare, run = entry_points(RECIPE)
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Command line: under torchrun run this rank; otherwise launch ``--nproc`` ranks. Returns the records."""
