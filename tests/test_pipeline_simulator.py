@@ -211,3 +211,17 @@ def test_theory_rejects_bad_input():
         activation_memory_theory("1f1b", 4, 8, 1, 4)
     with pytest.raises(ValueError, match="multiple of num_ranks"):
         bubble_fraction_theory("interleaved", 4, 6, 2)
+
+
+def test_stage_costs_make_the_slowest_stage_set_the_pace() -> None:
+    """With stage 1 slower, GPipe at p=2 takes F0 + m(F1 + B1) + B0: the slow stage runs back to back."""
+    from lslm.pipeline.schedules import build_schedule
+    from lslm.pipeline.simulator import simulate
+
+    m, f0, b0, f1, b1 = 8, 1.0, 2.0, 1.5, 3.0
+    sched = build_schedule("gpipe", 2, m)
+    same = simulate(sched, stage_costs={0: {"F": 1.0, "B": 2.0}, 1: {"F": 1.0, "B": 2.0}})
+    assert same.timeline.makespan() == simulate(sched).timeline.makespan()
+    slow = simulate(sched, costs={"F": f0, "B": b0}, stage_costs={1: {"F": f1, "B": b1}})
+    assert slow.timeline.makespan() == f0 + m * (f1 + b1) + b0
+    assert slow.timeline.busy(1) == m * (f1 + b1) and slow.timeline.busy(0) == m * (f0 + b0)

@@ -11,6 +11,7 @@ the activation-memory counts.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.pipeline.apply import PipelinePlan, apply_pipeline
-from lslm.pipeline.partition import partition_units, unit_costs, unit_names
+from lslm.pipeline.partition import partition_units, split_gpt, unit_costs, unit_names
 from lslm.runtime import init_distributed
 
 __all__ = ["DEMO_MODEL", "partition_report", "schedules_worker", "torch_side_by_side_worker", "two_bw_worker"]
@@ -61,6 +62,41 @@ def _serial_reference(cfg: GPTConfig, seed: int, x: torch.Tensor, y: torch.Tenso
     return loss.item(), {n: p.grad for n, p in ref.named_parameters()}
 
 
+def _stage_step_time(stage: Any, x: torch.Tensor, repeats: int) -> float:
+    """Median seconds of one forward + backward of ``stage`` on ``x`` (no communication)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = stage(x)
+        out.float().square().mean().backward()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def contention(ctx: Any, cfg: GPTConfig, rows: int, repeats: int = 15) -> dict[str, float]:
+    """This rank's stage forward + backward time alone (the other ranks wait) and with every rank computing.
+
+    On a CPU, processes share caches and memory bandwidth: an action can take longer while
+    the other ranks compute than while they idle, which a simulator with fixed costs ignores.
+    """
+    torch.manual_seed(0)
+    stage = split_gpt(GPT(cfg), ctx.pp_size)[ctx.pp_rank].to(ctx.device)
+    if stage.is_first:
+        x = torch.randint(0, cfg.vocab_size, (rows, cfg.block_size), device=ctx.device)
+    else:
+        x = torch.randn(rows, cfg.block_size, cfg.n_embd, device=ctx.device, requires_grad=True)
+    _stage_step_time(stage, x, 3)  # warm-up
+    alone = 0.0
+    for r in range(ctx.world_size):
+        ctx.comm.barrier(label="pp demo contention")
+        if r == ctx.rank:
+            alone = _stage_step_time(stage, x, repeats)
+    ctx.comm.barrier(label="pp demo contention")
+    together = _stage_step_time(stage, x, repeats)
+    ctx.comm.barrier(label="pp demo contention")
+    return {"alone_s": alone, "together_s": together}
+
+
 def schedules_worker(runs: list[dict[str, Any]], model: dict[str, int] | None = None, batch_size: int = 16,
                      steps: int = 3, seed: int = 0) -> dict[str, Any]:
     """Launch target: each plan of ``runs`` (:class:`PipelinePlan` fields) on every rank, ``steps`` steps each.
@@ -70,13 +106,15 @@ def schedules_worker(runs: list[dict[str, Any]], model: dict[str, int] | None = 
     this rank returns: ``loss`` (the pipeline's), ``serial_loss``, ``max_grad_diff`` (largest
     ``|pipeline - serial|`` over this rank's gradients), ``max_grad`` (largest ``|serial|``),
     ``timeline`` (every rank's, ``Timeline.to_dict()``), ``memory`` (the executor's counts),
-    ``step_s`` (each step's wall time on this rank) and ``p2p_bytes`` (this rank's sends, one step).
+    ``step_s`` (each step's wall time on this rank) and ``p2p_bytes`` (this rank's sends, one step);
+    and once, ``contention``: :func:`contention` on a micro-batch of the first run's size.
     """
     cfg = GPTConfig(**{**DEMO_MODEL, **(model or {})})
     ctx = init_distributed(pp=int(__import__("os").environ.get("WORLD_SIZE", "1")), seed=seed)
     with ctx:
         x, y = _batch(cfg, batch_size, seed, ctx.device)
         serial_loss, serial_grads = _serial_reference(cfg, seed, x, y)
+        timing = contention(ctx, cfg, batch_size // max(int(r.get("microbatches", 4)) for r in runs))
         results = []
         for run in runs:
             plan = PipelinePlan(**{"record_timeline": True, "track_memory": True, **run})
@@ -101,7 +139,7 @@ def schedules_worker(runs: list[dict[str, Any]], model: dict[str, int] | None = 
             ctx.comm.ledger.reset()
         assert all(math.isfinite(r["loss"]) for r in results)
         return {"rank": ctx.rank, "pp": ctx.pp_size, "batch_size": batch_size, "model": cfg.__dict__,
-                "results": results}
+                "contention": timing, "results": results}
 
 
 def torch_side_by_side_worker(schedules: list[str], microbatches: int = 8, model: dict[str, int] | None = None,

@@ -113,7 +113,8 @@ def _costs(costs: Mapping[str, float] | None) -> dict[str, float]:
 
 
 def simulate(schedule: PipelineSchedule, costs: Mapping[str, float] | None = None, comm: float = 0.0,
-             stream: str = "peer", sends: str = "rendezvous", split_sends: bool = False) -> SimResult:
+             stream: str = "peer", sends: str = "rendezvous", split_sends: bool = False,
+             stage_costs: Mapping[int, Mapping[str, float]] | None = None) -> SimResult:
     """Run ``schedule`` as an event simulation (module doc): a simulated :class:`Timeline`, deadlock check, memory.
 
     ``costs``: time of each compute kind (defaults F=1, B=2, I=1, W=1); ``comm``: time of one matched p2p
@@ -122,8 +123,11 @@ def simulate(schedule: PipelineSchedule, costs: Mapping[str, float] | None = Non
     asynchronous messages bubble formulas assume); the default ``"rendezvous"`` waits for the receiver.
     ``split_sends``: post each run's sends and receives as two batches, sends first (the split Megatron avoids:
     with stream order it deadlocks 1F1B, see the tests).
+    ``stage_costs``: per virtual stage, costs that replace ``costs`` for that stage (e.g. each stage's measured
+    average F and B, when stages are not balanced).
     """
     c = _costs(costs)
+    per_stage = {int(stage): _costs({**c, **kinds}) for stage, kinds in (stage_costs or {}).items()}
     if isinstance(comm, bool) or not isinstance(comm, int | float) or comm < 0:
         raise ValueError(f"comm latency must be a number >= 0, got {comm!r}")
     if stream not in ("peer", "rank"):
@@ -200,7 +204,7 @@ def simulate(schedule: PipelineSchedule, costs: Mapping[str, float] | None = Non
                 kind = "B/I" if need[0] == "BI" else need[0]
                 return f"rank {r} runs {a} before {need[1]}{kind}{need[2]}, which it needs, has run on this rank"
         start = clock[r]
-        clock[r] = start + c[a.kind]
+        clock[r] = start + per_stage.get(a.stage, c)[a.kind]
         events.append(Event(r, a.kind, a.stage, a.mb, start, clock[r]))
         done_compute[r].add((a.kind, a.stage, a.mb))
         if a.kind in ("B", "I"):
