@@ -123,3 +123,24 @@ def test_check_torch_config_refuses_exactly_what_torch_refuses(pp: int, monkeypa
                     except ValueError as exc:
                         theirs = str(exc)
                 assert (ours is None) == (theirs is None), (name, pp, m, v, ours, theirs)
+
+
+@pytest.mark.parametrize("backend", backends(4))
+def test_lslm_schedules_equal_their_torch_twins_at_p4(backend: str) -> None:
+    """lslm's executor and torch's schedule class on the same stages: the same loss and gradients at p = 4.
+
+    Both run the same stage modules on the same micro-batches; lslm weights each micro-batch's
+    loss by 1/m before its backward, torch divides the summed gradients by m after it. With m a
+    power of two these are the same floating-point operations (measured: bit-identical); the
+    bound allows a BLAS that orders a reduction differently.
+    """
+    out = run_workers("lslm.demos.pipeline_demo:torch_side_by_side_worker", 4, backend=backend, timeout=240,
+                      schedules=["gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev"], microbatches=8,
+                      batch_size=8, model=dict(n_layer=8, n_embd=32, n_head=2, block_size=16, vocab_size=96))
+    for rank_result in out:
+        assert [r["schedule"] for r in rank_result["results"]] == ["gpipe", "1f1b", "interleaved", "zb-h1",
+                                                                     "dualpipev"]
+        for r in rank_result["results"]:
+            assert abs(r["lslm_loss"] - r["torch_loss"]) <= LOSS_RTOL * abs(r["torch_loss"]), r
+            assert r["max_grad_diff_torch"] <= GRAD_RTOL * r["max_grad"], r
+            assert abs(r["lslm_loss"] - r["serial_loss"]) <= LOSS_RTOL * abs(r["serial_loss"]), r
