@@ -171,3 +171,17 @@ def _check_ledger(res: list[dict[str, Any]], n: int) -> None:
         assert all(rec["completion_s"] is not None and rec["issue_s"] <= rec["completion_s"] for rec in recs)
         blocking = recs[:5]  # one call after the other: each ends before the next is issued
         assert all(a["completion_s"] <= c["issue_s"] for a, c in zip(blocking, blocking[1:]))
+
+
+def test_with_grid_reuses_the_context_or_builds_the_new_grid_sharing_the_ledger() -> None:
+    """A recipe's own grid inside a job launched with another: same ranks, same ledger, the new groups."""
+    world, rank = 4, 3
+    with fake_world(rank, world):
+        ctx = _ctx(RankGrid.build(world), rank)  # every rank data-parallel
+        assert ctx.with_grid(dp=4) is ctx
+        pp = ctx.with_grid(pp=2, dp=None)
+        assert pp is not ctx and pp.comm is ctx.comm and pp.rank == rank
+        assert (pp.pp_size, pp.dp_size, pp.pp_rank) == (2, 2, 1)
+        assert dist.get_process_group_ranks(pp.pp_group) == pp.grid.group_of(rank, "pp")
+        with pytest.raises(ValueError):
+            ctx.with_grid(tp=3)

@@ -22,7 +22,7 @@ import torch
 from lslm.data.corpus import atomic_write_bytes, cache_dir, corpus_files, corpus_sha256
 from lslm.data.tokenizer import MIN_VOCAB_SIZE, get_tokenizer, tokenizer_path
 
-__all__ = ["token_blocks", "batches", "num_batches"]
+__all__ = ["token_blocks", "batches", "num_batches", "next_token_batches"]
 
 # In-process memos: tests, notebooks and recipes ask for the same data many times.
 _IDS: dict[tuple[str, str, int], np.ndarray] = {}
@@ -190,3 +190,18 @@ def batches(
         idx = order[i * batch_size:(i + 1) * batch_size].tolist()
         block = torch.as_tensor(rows[idx]["input_ids"], dtype=torch.long)
         yield block[:, :-1], block[:, 1:]
+
+
+def next_token_batches(loader: Any, device: Any) -> Iterator[tuple[Any, Any]]:
+    """Endless ``(inputs, targets)`` from a DataLoader of token blocks: each block ``b`` gives ``b[:, :-1], b[:, 1:]``.
+
+    The loader's sampler gets a new epoch each pass (``set_epoch``), the same on every rank,
+    as DDP's ``DistributedSampler`` needs; the tensors move to ``device``.
+    """
+    epoch = 0
+    while True:
+        loader.sampler.set_epoch(epoch)
+        for b in loader:
+            block = b["input_ids"].to(device)
+            yield block[:, :-1], block[:, 1:]
+        epoch += 1

@@ -63,6 +63,7 @@ from lslm.harness import (
 )
 from lslm.recipes.train import TrainConfig, build_model, make_optimizer
 from lslm.runtime.context import ParallelContext
+from lslm.runtime.startup import run_then_exit
 
 __all__ = ["DDPConfig", "BaselineOrderSampler", "MODELS", "RECIPE", "SAMPLERS", "build", "check_config", "compare",
            "make_sampler", "model_loss", "summarize", "worker", "run", "main", "GRAD_LABEL", "REPORT_LABEL"]
@@ -237,4 +238,4 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)  # under torchrun: skip finalization (lslm.runtime.startup.exit_process)

@@ -32,7 +32,6 @@ forward, their gradients backward), ``dp_comm_bytes`` the gradient averages, and
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lslm.data.dataset import token_blocks
+from lslm.data.dataset import next_token_batches, token_blocks
 from lslm.data.sampler import make_sampler
 from lslm.harness import Built, Marks, Recipe, StepTimer, entry_points, option, recipe_main
 from lslm.harness import summarize as summarize_run
@@ -49,10 +48,11 @@ from lslm.pipeline.partition import METHODS
 from lslm.pipeline.schedules import SCHEDULES
 from lslm.recipes.train import TrainConfig, build_model, make_optimizer
 from lslm.runtime.context import ParallelContext
-from lslm.runtime.grid import RankGrid, resolve_sizes
+from lslm.runtime.grid import resolve_sizes
+from lslm.runtime.startup import run_then_exit
 from lslm.tensor_parallel.clip import CLIP_LABEL, clip_grad_norm_
 
-__all__ = ["RECIPE", "PipelineConfig", "build", "check_config", "compare", "main", "plan_of", "pp_context", "run",
+__all__ = ["RECIPE", "PipelineConfig", "build", "check_config", "compare", "main", "plan_of", "run",
            "worker"]
 
 
@@ -111,29 +111,6 @@ def check_config(cfg: PipelineConfig, world_size: int) -> int:
     return dp
 
 
-def pp_context(cfg: PipelineConfig, ctx: ParallelContext) -> ParallelContext:
-    """A context with ``cfg``'s ``pp x dp`` grid over ``ctx``'s processes, sharing its ledger.
-
-    ``ctx`` itself when its grid already is that one; otherwise the groups are created now
-    (collectively: every rank builds at the same time) inside the existing process group.
-    """
-    grid = RankGrid.build(ctx.world_size, pp=cfg.pp, dp=cfg.dp)
-    if ctx.grid.sizes == grid.sizes:
-        return ctx
-    return ParallelContext.create(grid, rank=ctx.rank, local_rank=ctx.local_rank, node_rank=ctx.node_rank,
-                                  device=ctx.device, backend=ctx.backend, timeout_s=ctx.timeout_s, comm=ctx.comm)
-
-
-def _batches(loader: DataLoader, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    epoch = 0
-    while True:
-        loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]  # a new order every epoch, alike on all ranks
-        for b in loader:
-            block = b["input_ids"].to(device)
-            yield block[:, :-1], block[:, 1:]
-        epoch += 1
-
-
 def _is_p2p(label: str) -> bool:
     return label.startswith(("pp F ", "pp B "))
 
@@ -141,7 +118,7 @@ def _is_p2p(label: str) -> bool:
 def build(cfg: PipelineConfig, ctx: ParallelContext) -> Built:
     """The pipeline technique on this rank: its stages, AdamW on their parameters, this replica's batches, the step."""
     dp = check_config(cfg, ctx.world_size)
-    pctx = pp_context(cfg, ctx)
+    pctx = ctx.with_grid(pp=cfg.pp, dp=cfg.dp)
     pipe = apply_pipeline(build_model(cfg), pctx, plan_of(cfg))
     # This rank's stages as one module: what the optimizer, the clip and the memory report see.
     local = nn.ModuleList(pipe.stages[s] for s in sorted(pipe.stages))
@@ -186,7 +163,7 @@ def build(cfg: PipelineConfig, ctx: ParallelContext) -> Built:
             "virtual_stages": cfg.virtual_stages, "stages": sorted(pipe.stages),
             "stage_units": {str(s): list(st.units) for s, st in sorted(pipe.stages.items())},
             "tokens_per_step": cfg.batch_size * cfg.block_size}
-    return Built(model=local, optimizer=optimizer, step=step, batches=_batches(loader, pctx.device), ctx=pctx,
+    return Built(model=local, optimizer=optimizer, step=step, batches=next_token_batches(loader, pctx.device), ctx=pctx,
                  device=pctx.device, per_step=per_step, count=(None, None), log=log, info=info,
                  name=f"pp{cfg.pp}-dp{dp}-{cfg.schedule}")
 
@@ -214,4 +191,4 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)  # under torchrun: skip finalization (lslm.runtime.startup.exit_process)

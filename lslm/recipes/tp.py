@@ -32,26 +32,26 @@ average) and ``clip_comm_bytes`` (the one number of the squared norm).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
-from lslm.data.dataset import token_blocks
+from lslm.data.dataset import next_token_batches, token_blocks
 from lslm.data.sampler import make_sampler
 from lslm.harness import Built, Marks, Recipe, StepTimer, entry_points, option, recipe_main
 from lslm.harness import summarize as summarize_run
 from lslm.recipes.train import TrainConfig, build_model, make_optimizer
 from lslm.runtime.context import ParallelContext
-from lslm.runtime.grid import RankGrid, resolve_sizes
+from lslm.runtime.grid import resolve_sizes
+from lslm.runtime.startup import run_then_exit
 from lslm.tensor_parallel.apply import apply_tensor_parallel
 from lslm.tensor_parallel.clip import CLIP_LABEL, DP_GRAD_LABEL, average_data_parallel_grads, clip_grad_norm_
 from lslm.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lslm.tensor_parallel.grads import sync_tensor_parallel_grads
 
-__all__ = ["RECIPE", "TPConfig", "build", "check_config", "compare", "main", "run", "tp_context", "worker"]
+__all__ = ["RECIPE", "TPConfig", "build", "check_config", "compare", "main", "run", "worker"]
 
 
 @dataclass
@@ -95,33 +95,10 @@ def check_config(cfg: TPConfig, world_size: int) -> int:
     return dp
 
 
-def tp_context(cfg: TPConfig, ctx: ParallelContext) -> ParallelContext:
-    """A context with ``cfg``'s ``tp x dp`` grid over ``ctx``'s processes, sharing its ledger.
-
-    ``ctx`` itself when its grid already is that one; otherwise the groups are created now
-    (collectively: every rank builds at the same time) inside the existing process group.
-    """
-    grid = RankGrid.build(ctx.world_size, tp=cfg.tp, dp=cfg.dp)
-    if ctx.grid.sizes == grid.sizes:
-        return ctx
-    return ParallelContext.create(grid, rank=ctx.rank, local_rank=ctx.local_rank, node_rank=ctx.node_rank,
-                                  device=ctx.device, backend=ctx.backend, timeout_s=ctx.timeout_s, comm=ctx.comm)
-
-
-def _batches(loader: DataLoader, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    epoch = 0
-    while True:
-        loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]  # a new order every epoch, alike on all ranks
-        for b in loader:
-            block = b["input_ids"].to(device)
-            yield block[:, :-1], block[:, 1:]
-        epoch += 1
-
-
 def build(cfg: TPConfig, ctx: ParallelContext) -> Built:
     """The tensor-parallel technique on this rank: the split model, AdamW, this replica's batches, the timed step."""
     dp = check_config(cfg, ctx.world_size)
-    tctx = tp_context(cfg, ctx)
+    tctx = ctx.with_grid(tp=cfg.tp, dp=cfg.dp)
     model = apply_tensor_parallel(build_model(cfg).to(tctx.device), tctx, sequence_parallel=cfg.sequence_parallel,
                                   async_grad_allreduce=cfg.async_grad_allreduce, rng_seed=cfg.seed)
     model.train()
@@ -166,7 +143,7 @@ def build(cfg: TPConfig, ctx: ParallelContext) -> Built:
     info = {"tp_size": cfg.tp, "dp_size": dp, "sequence_parallel": cfg.sequence_parallel,
             "padded_vocab_size": model.tensor_parallel.padded_vocab_size,
             "tokens_per_step": cfg.batch_size * cfg.block_size}
-    return Built(model=model, optimizer=optimizer, step=step, batches=_batches(loader, tctx.device), ctx=tctx,
+    return Built(model=model, optimizer=optimizer, step=step, batches=next_token_batches(loader, tctx.device), ctx=tctx,
                  device=tctx.device, per_step=per_step, count=(None, None), log=log, info=info,
                  name=f"tp{cfg.tp}-dp{dp}" + ("-sp" if cfg.sequence_parallel else ""))
 
@@ -194,4 +171,4 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)  # under torchrun: skip finalization (lslm.runtime.startup.exit_process)

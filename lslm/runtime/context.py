@@ -154,6 +154,21 @@ class ParallelContext:
                                                mesh=self.grid.layout(), mesh_dim_names=AXES)
         return self._mesh
 
+    def with_grid(self, **sizes: Any) -> ParallelContext:
+        """A context over the same processes with another grid (``tp=2``, ``pp=2, dp=None``), sharing this ledger.
+
+        ``self`` when the grid is already that one; otherwise the new grid's groups are created
+        now, inside the existing process group, so every rank must call this at the same time
+        (``new_group`` is collective). Recipes use it to run with their own grid in a job launched
+        with another (several runs in one launch).
+        """
+        grid = RankGrid.build(self.world_size, **sizes)
+        if self.grid.sizes == grid.sizes:
+            return self
+        return ParallelContext.create(grid, rank=self.rank, local_rank=self.local_rank, node_rank=self.node_rank,
+                                      device=self.device, backend=self.backend, timeout_s=self.timeout_s,
+                                      comm=self.comm)
+
     # -- coordinates -------------------------------------------------------------
     @property
     def world_size(self) -> int:

@@ -60,10 +60,13 @@ import atexit
 import os
 import random
 import socket
+import sys
+import traceback
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -247,3 +250,40 @@ def _destroy_quietly() -> None:
     # barrier here (a crashed peer would make it wait for the full timeout).
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process now with ``code``: tear the process group down, flush, skip the interpreter's finalization.
+
+    Why skip it: gloo's threads can still hold Python objects when the interpreter
+    finalizes (the callbacks of completed works' futures, tensors), and touching them then
+    aborts the process ("terminate called without an active exception", SIGABRT) in a
+    small fraction of runs, after every result was written (pytorch PR 179291 describes
+    the mechanism). Launched workers and recipes started by torchrun end here once their
+    results are safe.
+    """
+    try:
+        _destroy_quietly()
+    finally:
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            try:
+                if stream is not None:
+                    stream.flush()
+            except (OSError, ValueError):
+                pass  # a closed or broken stream: nothing more can be said on it
+        os._exit(code)
+
+
+def run_then_exit(main: Callable[[], Any]) -> NoReturn:
+    """``main()``, then :func:`exit_process`: 0, a ``SystemExit``'s code, or 1 after printing an error's traceback."""
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported, then the process ends like any failed program
+        traceback.print_exc()
+        code = 1
+    exit_process(code)

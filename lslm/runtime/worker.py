@@ -36,6 +36,7 @@ from typing import Any, TextIO
 
 from lslm.runtime.agent import AGENT_PID_ENV
 from lslm.runtime.process_tree import die_with_parent
+from lslm.runtime.startup import exit_process
 
 RESULT_DIR_ENV = "LSLM_RESULT_DIR"
 
@@ -167,4 +168,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # results are written: skip finalization (see exit_process)
