@@ -175,6 +175,7 @@ RECIPE = Recipe("lslm.recipes.pipeline", PipelineConfig, build, check_config,
 
 worker, compare, run = entry_points(RECIPE)
 
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Command line: under torchrun run this rank; otherwise launch ``--nproc`` ranks. Returns the records."""
     cfg, results = recipe_main(RECIPE, argv)
