@@ -67,7 +67,7 @@ class Built:
     """
 
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: Any  # a torch optimizer, or lslm.precision's wrapper of one (fp32 masters)
     step: Callable[[Any, StepTimer], torch.Tensor]
     batches: Iterator[Any]
     device: torch.device

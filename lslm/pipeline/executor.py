@@ -153,7 +153,13 @@ class PipelineExecutor:
         if any(c.kind.startswith("RECV") for c in batch):
             for w in works:
                 w.wait()
-            st.sends = [(w, keep) for w, keep in st.sends if not w.is_completed()]  # frees what was sent
+            pending = []
+            for w, keep in st.sends:
+                if w.is_completed():
+                    w.wait()  # returns at once; waited all the same, so every Work is waited on (NCCL's rule)
+                else:
+                    pending.append((w, keep))
+            st.sends = pending  # frees what was sent
         elif len(works) == len(tensors):  # gloo: one work per op
             st.sends += [(w, [keep]) for w, keep in zip(works, tensors)]
         else:  # NCCL may return one work for the whole batch

@@ -69,11 +69,15 @@ class StageRuntime:
         self.module, self.device, self.remat, self.store, self.memory = module, device, remat, store, memory
         self.index = module.index
         self.is_first, self.is_last = module.is_first, module.is_last
-        self.dtype = next(module.parameters()).dtype
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.targets: dict[int, tuple[torch.Tensor, float]] = {}
         self.rng: dict[int, tuple[torch.Tensor, Any]] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The stage's compute dtype, read from its parameters (a model cast after splitting sends half tensors)."""
+        return next(self.module.parameters()).dtype
 
     # -- helpers ------------------------------------------------------------------------
     def _saving(self, mb: int) -> Any:

@@ -44,9 +44,12 @@ from torch import nn
 
 from lslm.precision.scaler import DynamicLossScaler
 
-__all__ = ["HALF_DTYPES", "MixedPrecisionOptimizer"]
+__all__ = ["HALF_DTYPES", "ClipFn", "MixedPrecisionOptimizer"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+#: ``clip(params, max_norm)``: clip the gradients of ``params`` to a global norm (torch's, or a parallel one).
+ClipFn = Callable[[list[torch.Tensor], float], Any]
 
 
 class MixedPrecisionOptimizer:
@@ -93,6 +96,10 @@ class MixedPrecisionOptimizer:
             raise ValueError("the model has no parameter that requires grad: nothing to optimise")
         # detach().clone().float(): an exact copy of fp32 weights, an exact upcast of half ones.
         self.masters = [p.detach().clone().float() for p in self.params]
+        for p, m in zip(self.params, self.masters):
+            # A master stands for its parameter: it carries the parameter's layout marks (tensor_model_parallel,
+            # partition_dim, replicated_heads, ...), so a global norm over masters counts shards as over params.
+            m.__dict__.update(p.__dict__)
         self.optimizer = optimizer_factory(list(self.masters))
         owned = {id(m) for g in self.optimizer.param_groups for m in g["params"]}
         if owned != {id(m) for m in self.masters}:
@@ -173,14 +180,16 @@ class MixedPrecisionOptimizer:
             grads.append(m.grad)
         return grads
 
-    def step(self, max_grad_norm: float | None = None) -> bool:
+    def step(self, max_grad_norm: float | None = None, *, clip: ClipFn | None = None) -> bool:
         """Unscale, check, clip, step the masters and copy them into the model; False if skipped.
 
         On an overflow (any rank of the scaler's group found inf/NaN) the inner optimizer
         is not called: masters, model parameters and optimizer state stay bit-identical,
         and the scale is lowered. ``max_grad_norm`` clips the unscaled fp32 gradients
         (norm over this rank's masters only). May raise
-        :class:`~lslm.precision.scaler.LossScaleAtMinimumError`.
+        :class:`~lslm.precision.scaler.LossScaleAtMinimumError`. ``clip(masters, max_grad_norm)``
+        replaces ``torch.nn.utils.clip_grad_norm_`` where the norm spans ranks (tensor or
+        pipeline parallelism: the masters carry their parameters' layout attributes).
         """
         grads = self._master_grads()
         stepped = True
@@ -193,7 +202,8 @@ class MixedPrecisionOptimizer:
             stepped = not self.scaler.has_overflow(grads)
         if stepped:
             if max_grad_norm is not None and max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_([m for m in self.masters if m.grad is not None], max_grad_norm)
+                (clip or torch.nn.utils.clip_grad_norm_)([m for m in self.masters if m.grad is not None],
+                                                         max_grad_norm)
             self.optimizer.step()
             self._copy_masters_to_model()
         if not self.main_grad and not self._fp32_grads:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lslm.precision.master import MixedPrecisionOptimizer
+from lslm.precision.master import ClipFn, MixedPrecisionOptimizer
 from lslm.precision.scaler import DynamicLossScaler
 
 __all__ = ["PARAM_DTYPES", "PRECISION_MODES", "PlainOptimizer", "PrecisionSetup", "check_precision",
@@ -71,6 +71,10 @@ class PlainOptimizer:
         """The optimizer's state."""
         return self.optimizer.state
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss itself (no loss scaling in fp32 or bf16)."""
+        return loss
+
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``."""
         loss.backward()
@@ -79,10 +83,14 @@ class PlainOptimizer:
         """Free every gradient (``set_to_none``)."""
         self.optimizer.zero_grad(set_to_none=True)
 
-    def step(self, max_grad_norm: float | None = None) -> bool:
-        """Clip (if asked) and step; always True."""
+    def step(self, max_grad_norm: float | None = None, *, clip: ClipFn | None = None) -> bool:
+        """Clip (if asked) and step; always True.
+
+        ``clip(params, max_grad_norm)`` replaces ``torch.nn.utils.clip_grad_norm_`` where the
+        norm spans ranks (tensor or pipeline parallelism: :func:`lslm.tensor_parallel.clip.clip_grad_norm_`).
+        """
         if max_grad_norm is not None and max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_([p for p in self.params if p.grad is not None], max_grad_norm)
+            (clip or torch.nn.utils.clip_grad_norm_)([p for p in self.params if p.grad is not None], max_grad_norm)
         self.optimizer.step()
         return True
 

@@ -61,7 +61,7 @@ from lslm.harness import (
     recipe_main,
     summarize,
 )
-from lslm.recipes.train import TrainConfig, build_model, make_optimizer
+from lslm.recipes.train import TrainConfig, build_model, precision_fields, prepare_training
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.startup import run_then_exit
 
@@ -153,9 +153,12 @@ def build(cfg: DDPConfig, ctx: ParallelContext) -> Built:
         torch.set_num_threads(cfg.threads)
     model = _build_model(cfg).to(ctx.device)
     model.train()
+    # Cast before wrapping (DDP's buckets take the parameters' dtype); .grad stays, in the model's dtype,
+    # for the wrapper to average: half-precision gradients are reduced in half precision, as torch DDP does.
+    setup = prepare_training(model, cfg, main_grad=False, ctx=ctx)
+    optimizer = setup.optimizer  # the baseline's AdamW, parameter groups and all (over fp32 masters in half modes)
     ddp = make_ddp(model, ctx, variant=cfg.variant, bucket_cap_mb=cfg.bucket_cap_mb,
                    record_timeline=cfg.record_timeline)
-    optimizer = make_optimizer(ddp.module, cfg)  # the baseline's AdamW, parameter groups and all
 
     blocks = token_blocks(cfg.block_size, cfg.vocab_size)  # every rank: all blocks; the sampler shares them out
     sampler = make_sampler(blocks, cfg.sampler, rank=ctx.dp_rank, world_size=ctx.dp_size, seed=cfg.seed)
@@ -164,10 +167,11 @@ def build(cfg: DDPConfig, ctx: ParallelContext) -> Built:
         raise ValueError(f"batch_size={cfg.batch_size} exceeds the {len(blocks)} blocks available; lower it")
     probe = cfg.variant == "torch" and cfg.probe_no_sync
     probe_s = [0.0]
+    figures: dict[str, float] = {}
 
     def before_step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         if probe:  # torch: time forward + backward without communication, then discard the gradients
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             timer = StepTimer(ctx.device)
             timer.start()
             with ddp.no_sync():
@@ -178,28 +182,27 @@ def build(cfg: DDPConfig, ctx: ParallelContext) -> Built:
             ddp.reset_timeline()
 
     def step(batch: tuple[torch.Tensor, torch.Tensor], timer: StepTimer) -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         total = torch.zeros((), device=ctx.device)
         for j, (xm, ym) in enumerate(zip(batch[0].split(micro), batch[1].split(micro))):
             # Accumulate locally, synchronise once: only the last micro-batch all-reduces.
             with contextlib.nullcontext() if j == cfg.grad_accum - 1 else ddp.no_sync():
                 loss = model_loss(ddp, xm, ym, cfg.model) / cfg.grad_accum
                 timer.mark("forward_end")
-                loss.backward()
+                optimizer.scale_loss(loss).backward()
             total += loss.detach()
         timer.mark("backward_end")
         ddp.finish_grad_sync()  # naive/fused: every all-reduce; bucketed: wait for the buckets in flight
         timer.mark("sync_end")
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(ddp.module.parameters(), cfg.grad_clip)
-        optimizer.step()
+        stepped = optimizer.step(cfg.grad_clip if cfg.grad_clip > 0 else None)  # fp16: False if it overflowed
+        figures.update(precision_fields(setup, stepped))
         return total
 
     def per_step(m: Marks) -> dict[str, Any]:
         fwd_bwd = m.span("start", "backward_end")
         out: dict[str, Any] = {"compute_s": probe_s[0] if probe else fwd_bwd,
                                "comm_exposed_s": fwd_bwd - probe_s[0] if probe else m.span("backward_end", "sync_end"),
-                               "optimizer_s": m.span("sync_end", "end")}
+                               "optimizer_s": m.span("sync_end", "end"), **figures}
         if cfg.record_timeline:
             out["timeline"] = {"t0": m["start"], "forward_end": m["forward_end"], "backward_end": m["backward_end"],
                                "sync_end": m["sync_end"], "step_end": m["end"], "events": list(ddp.timeline)}
@@ -210,7 +213,7 @@ def build(cfg: DDPConfig, ctx: ParallelContext) -> Built:
 
     info = {"variant": cfg.variant, "grad_bytes": int(ddp.grad_bytes),
             "buckets": [list(b) for b in getattr(ddp, "buckets", None) or []],
-            "tokens_per_step": cfg.batch_size * cfg.block_size}
+            "tokens_per_step": cfg.batch_size * cfg.block_size, "precision": cfg.precision}
     return Built(model=ddp.module, optimizer=optimizer, step=step, batches=_blocks(loader, sampler, ctx.device),
                  device=ctx.device, before_step=before_step, per_step=per_step, count=("all_reduce", GRAD_LABEL),
                  log=log, info=info, name=f"ddp-{cfg.variant}", owners=(ddp,))

@@ -46,7 +46,7 @@ from lslm.harness import summarize as summarize_run
 from lslm.pipeline.apply import PipelinePlan, apply_pipeline, check_plan
 from lslm.pipeline.partition import METHODS
 from lslm.pipeline.schedules import SCHEDULES
-from lslm.recipes.train import TrainConfig, build_model, make_optimizer
+from lslm.recipes.train import TrainConfig, build_model, precision_fields, prepare_training
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import resolve_sizes
 from lslm.runtime.startup import run_then_exit
@@ -123,7 +123,10 @@ def build(cfg: PipelineConfig, ctx: ParallelContext) -> Built:
     # This rank's stages as one module: what the optimizer, the clip and the memory report see.
     local = nn.ModuleList(pipe.stages[s] for s in sorted(pipe.stages))
     local.train()
-    optimizer = make_optimizer(local, cfg)  # the baseline's AdamW on this rank's layers only
+    # The baseline's AdamW on this rank's layers only (over fp32 masters in half modes; .grad stays half for the
+    # executor's dp averages). Stages read their dtype from their parameters, so they send half activations.
+    setup = prepare_training(local, cfg, main_grad=False, ctx=pctx)
+    optimizer = setup.optimizer
 
     blocks = token_blocks(cfg.block_size, cfg.vocab_size)
     sampler = make_sampler(blocks, "baseline", rank=pctx.dp_rank, world_size=dp, seed=cfg.seed)
@@ -136,19 +139,19 @@ def build(cfg: PipelineConfig, ctx: ParallelContext) -> Built:
     def step(batch: tuple[torch.Tensor, torch.Tensor], timer: StepTimer) -> torch.Tensor:
         since = len(ledger.records)
         x, y = batch
-        optimizer.zero_grad(set_to_none=True)
-        loss = pipe.step(x, y)  # forwards, backwards and the dp gradient averages, in the schedule's order
+        optimizer.zero_grad()
+        # forwards, backwards (of the loss times the fp16 loss scale) and the dp gradient averages, in schedule order
+        loss = pipe.step(x, y, loss_scale=optimizer.loss_scale)
         timer.mark("backward_end")
-        if cfg.grad_clip > 0:
-            clip_grad_norm_(local, cfg.grad_clip, pctx)
-        optimizer.step()
+        stepped = optimizer.step(cfg.grad_clip if cfg.grad_clip > 0 else None,
+                                 clip=lambda params, max_norm: clip_grad_norm_(params, max_norm, pctx))
         recs = ledger.snapshot()[since:]
         p2p = [r for r in recs if _is_p2p(r.label)]
         dp_bytes = sum(r.nbytes for r in recs if r.label.startswith("pp dp grads"))
         clip_bytes = sum(r.nbytes for r in recs if r.label == CLIP_LABEL)
         traffic.update(pp_comm_bytes=sum(r.nbytes for r in p2p), pp_comm_calls=len(p2p), dp_comm_bytes=dp_bytes,
                        other_comm_bytes=sum(r.nbytes for r in recs) - sum(r.nbytes for r in p2p) - dp_bytes,
-                       clip_comm_bytes=clip_bytes)
+                       clip_comm_bytes=clip_bytes, **precision_fields(setup, stepped))
         return loss.detach()
 
     def per_step(m: Marks) -> dict[str, Any]:
@@ -162,7 +165,7 @@ def build(cfg: PipelineConfig, ctx: ParallelContext) -> Built:
     info = {"pp_size": cfg.pp, "dp_size": dp, "schedule": cfg.schedule, "microbatches": cfg.microbatches,
             "virtual_stages": cfg.virtual_stages, "stages": sorted(pipe.stages),
             "stage_units": {str(s): list(st.units) for s, st in sorted(pipe.stages.items())},
-            "tokens_per_step": cfg.batch_size * cfg.block_size}
+            "tokens_per_step": cfg.batch_size * cfg.block_size, "precision": cfg.precision}
     return Built(model=local, optimizer=optimizer, step=step, batches=next_token_batches(loader, pctx.device), ctx=pctx,
                  device=pctx.device, per_step=per_step, count=(None, None), log=log, info=info,
                  name=f"pp{cfg.pp}-dp{dp}-{cfg.schedule}")

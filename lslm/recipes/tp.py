@@ -42,7 +42,7 @@ from lslm.data.dataset import next_token_batches, token_blocks
 from lslm.data.sampler import make_sampler
 from lslm.harness import Built, Marks, Recipe, StepTimer, entry_points, option, recipe_main
 from lslm.harness import summarize as summarize_run
-from lslm.recipes.train import TrainConfig, build_model, make_optimizer
+from lslm.recipes.train import TrainConfig, build_model, precision_fields, prepare_training
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import resolve_sizes
 from lslm.runtime.startup import run_then_exit
@@ -102,7 +102,9 @@ def build(cfg: TPConfig, ctx: ParallelContext) -> Built:
     model = apply_tensor_parallel(build_model(cfg).to(tctx.device), tctx, sequence_parallel=cfg.sequence_parallel,
                                   async_grad_allreduce=cfg.async_grad_allreduce, rng_seed=cfg.seed)
     model.train()
-    optimizer = make_optimizer(model, cfg)  # the baseline's AdamW on this rank's shards
+    # The baseline's AdamW on this rank's shards (over fp32 masters in half modes; .grad stays half for the syncs).
+    setup = prepare_training(model, cfg, main_grad=False, ctx=tctx)
+    optimizer = setup.optimizer
 
     blocks = token_blocks(cfg.block_size, cfg.vocab_size)
     sampler = make_sampler(blocks, "baseline", rank=tctx.dp_rank, world_size=dp, seed=cfg.seed)
@@ -115,18 +117,19 @@ def build(cfg: TPConfig, ctx: ParallelContext) -> Built:
     def step(batch: tuple[torch.Tensor, torch.Tensor], timer: StepTimer) -> torch.Tensor:
         since = len(ledger.records)
         x, y = batch
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         logits, _ = model(x)  # this rank's slice of the vocabulary
         loss = vocab_parallel_cross_entropy(logits, y, tctx, vocab_size=cfg.vocab_size)
         timer.mark("forward_end")
-        loss.backward()
+        optimizer.scale_loss(loss).backward()
         timer.mark("backward_end")
         sync_tensor_parallel_grads(model, tctx)
         average_data_parallel_grads(model, tctx)
         timer.mark("sync_end")
-        if cfg.grad_clip > 0:
-            clip_grad_norm_(model, cfg.grad_clip, tctx)
-        optimizer.step()
+        # The global norm over every shard (the masters carry their parameters' TP marks); fp16: False on overflow.
+        stepped = optimizer.step(cfg.grad_clip if cfg.grad_clip > 0 else None,
+                                 clip=lambda params, max_norm: clip_grad_norm_(params, max_norm, tctx))
+        traffic.update(precision_fields(setup, stepped))
         dp_bytes = ledger.total_bytes(label=DP_GRAD_LABEL, since=since)
         clip_bytes = ledger.total_bytes(label=CLIP_LABEL, since=since)
         traffic.update(tp_comm_bytes=ledger.total_bytes(since=since) - dp_bytes - clip_bytes,
@@ -141,7 +144,7 @@ def build(cfg: TPConfig, ctx: ParallelContext) -> Built:
         return f"  TP traffic {now['tp_comm_bytes']:,} B  dp grads {now['dp_comm_bytes']:,} B"
 
     info = {"tp_size": cfg.tp, "dp_size": dp, "sequence_parallel": cfg.sequence_parallel,
-            "padded_vocab_size": model.tensor_parallel.padded_vocab_size,
+            "padded_vocab_size": model.tensor_parallel.padded_vocab_size, "precision": cfg.precision,
             "tokens_per_step": cfg.batch_size * cfg.block_size}
     return Built(model=model, optimizer=optimizer, step=step, batches=next_token_batches(loader, tctx.device), ctx=tctx,
                  device=tctx.device, per_step=per_step, count=(None, None), log=log, info=info,

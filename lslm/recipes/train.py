@@ -5,6 +5,12 @@ data, same optimiser, so the loss curves can be compared number for number. It i
 smallest recipe on the harness (:mod:`lslm.harness`): a config, ``build`` and a step.
 
     python -m lslm.recipes.train --steps 30 --out runs/baseline.json
+    python -m lslm.recipes.train --precision bf16      # or fp16: half model, fp32 masters
+
+``--precision`` (every recipe inherits it from :class:`TrainConfig`): ``fp32``; ``bf16``
+or ``fp16`` train a half-precision model whose fp32 master weights AdamW steps
+(:func:`lslm.precision.prepare_precision`), fp16 with a dynamic loss scaler that starts at
+``--init-scale`` and skips the steps whose gradients overflow (counted in the record).
 
 On CPU the run is bitwise reproducible: the same config gives the same losses.
 """
@@ -20,9 +26,11 @@ import torch
 from lslm.data.dataset import batches, token_blocks
 from lslm.harness import Built, StepTimer, check_fields, option, parse_config, summarize, train_loop, write_run_log
 from lslm.models.gpt import GPT, GPTConfig
+from lslm.precision import PRECISION_MODES, PrecisionSetup, prepare_precision
 from lslm.runtime.context import ParallelContext
 
-__all__ = ["TrainConfig", "build", "build_model", "data_stream", "main", "make_optimizer", "train"]
+__all__ = ["TrainConfig", "adamw", "build", "build_model", "data_stream", "main", "make_optimizer",
+           "precision_fields", "prepare_training", "train"]
 
 
 @dataclass
@@ -43,6 +51,10 @@ class TrainConfig:
     weight_decay: float = option(0.1, help="AdamW weight decay of matrices", ge=0)
     grad_clip: float = option(1.0, help="gradient norm clip (0 disables clipping)", ge=0)
     seed: int = option(0, help="seed of weights and data order", ge=0)
+    # precision
+    precision: str = option("fp32", choices=PRECISION_MODES, help="fp32, or a bf16/fp16 model with fp32 master "
+                                                                  "weights (fp16 with dynamic loss scaling)")
+    init_scale: float = option(2.0**16, help="fp16: the loss scaler's initial scale", gt=0)
     # bookkeeping
     log_every: int = option(10, help="log the loss every this many steps", ge=1)
     device: str = option("cpu", help="torch device of the run")
@@ -75,35 +87,69 @@ def data_stream(cfg: TrainConfig, *, rank: int = 0, world_size: int = 1) -> Iter
         epoch += 1
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """The baseline's AdamW: weight decay on matrices only, betas (0.9, 0.95), the per-parameter loop."""
+def adamw(params: list[torch.Tensor], cfg: TrainConfig) -> torch.optim.AdamW:
+    """The baseline's AdamW over ``params``: weight decay on matrices only, betas (0.9, 0.95), per-parameter loop.
+
+    ``params`` may be a model's parameters or the fp32 master copies of them (same shapes, so
+    the same groups).
+    """
     # Decay matrices only: shrinking biases and LayerNorm gains towards 0 only hurts.
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # foreach=False: the plain per-parameter loop, the easiest to mirror in sharded optimisers.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
 
 
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """The baseline's AdamW on ``model``'s parameters (:func:`adamw`)."""
+    return adamw(list(model.parameters()), cfg)
+
+
+def prepare_training(model: torch.nn.Module, cfg: TrainConfig, *, main_grad: bool = True,
+                     ctx: ParallelContext | None = None) -> PrecisionSetup:
+    """``model`` in ``cfg.precision`` with the baseline's AdamW behind one interface (fp32 masters for half modes).
+
+    Returns :func:`lslm.precision.prepare_precision`'s setup: ``setup.optimizer`` has
+    ``zero_grad()``, ``scale_loss(loss)`` (the loss times the loss scale: call ``backward``
+    on that), ``step(max_grad_norm, clip=...) -> bool`` (False: an fp16 overflow skipped the
+    step) and ``loss_scale``. ``main_grad=False`` keeps half-precision ``.grad`` (what a
+    wrapper that reduces ``.grad`` needs: DDP, the TP and pipeline gradient syncs).
+    With ``ctx`` the fp16 overflow flag is MAX-reduced over every rank, which all hold
+    gradients, so all ranks skip the same steps.
+    """
+    scaler = {"init_scale": cfg.init_scale} if cfg.precision == "fp16" else None
+    return prepare_precision(model, cfg.precision, lambda params: adamw(params, cfg), main_grad=main_grad,
+                             scaler=scaler, comm=ctx.comm if ctx is not None else None)
+
+
+def precision_fields(setup: PrecisionSetup, stepped: bool) -> dict[str, float]:
+    """This step's precision figures for a run record: the loss scale after the step, and whether it stepped."""
+    return {"loss_scale": float(setup.optimizer.loss_scale), "stepped": float(stepped)}
+
+
 def build(cfg: TrainConfig, ctx: ParallelContext | None = None) -> Built:
-    """The serial technique: the model on ``cfg.device`` (or ``ctx.device``), AdamW, the baseline batches."""
+    """The serial technique: the model on ``cfg.device`` (or ``ctx.device``) in ``cfg.precision``, AdamW, batches."""
     device = ctx.device if ctx is not None else torch.device(cfg.device)
     model = build_model(cfg).to(device)
     model.train()
-    optimizer = make_optimizer(model, cfg)
+    setup = prepare_training(model, cfg, ctx=ctx)
+    optimizer = setup.optimizer
+    figures: dict[str, float] = {}
 
     def step(batch: tuple[torch.Tensor, torch.Tensor], timer: StepTimer) -> torch.Tensor:
         x, y = (t.to(device) for t in batch)
+        optimizer.zero_grad()
         _, loss = model(x, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
+        optimizer.scale_loss(loss).backward()
+        stepped = optimizer.step(cfg.grad_clip if cfg.grad_clip > 0 else None)
+        figures.update(precision_fields(setup, stepped))
         return loss
 
     return Built(model=model, optimizer=optimizer, step=step, batches=data_stream(cfg), device=device,
-                 info={"tokens_per_step": cfg.batch_size * cfg.block_size}, name="train")
+                 per_step=lambda marks: dict(figures), info={"tokens_per_step": cfg.batch_size * cfg.block_size,
+                                                             "precision": cfg.precision},
+                 name="train")
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
