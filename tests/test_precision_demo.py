@@ -19,6 +19,7 @@ import math
 
 import pytest
 
+from lslm.demos import precision_costs as costs
 from lslm.demos import precision_demo as demo
 from lslm.models.gpt import GPT, GPTConfig
 
@@ -83,7 +84,7 @@ def test_min_scale_failure_then_bf16() -> None:
 
 @pytest.mark.parametrize("with_loss", [True, False])
 def test_activation_bytes_by_mode(with_loss: bool) -> None:
-    rows = {r["mode"]: r for r in demo.activation_bytes_by_mode(batch_size=2, with_loss=with_loss)}
+    rows = {r["mode"]: r for r in costs.activation_bytes_by_mode(batch_size=2, with_loss=with_loss)}
     fp32, fp16, bf16, auto = rows["fp32"], rows["fp16"], rows["bf16"], rows["autocast bf16"]
     assert fp16["bytes"] == bf16["bytes"] and fp32["ratio_to_fp32"] == 1.0
     # The half model saves the same tensors as the fp32 one, each half the bytes, except what it keeps in fp32
@@ -98,14 +99,22 @@ def test_activation_bytes_by_mode(with_loss: bool) -> None:
 
 
 def test_mode_step_time_ratios_fields() -> None:
-    r = demo.mode_step_time_ratios(repeats=1, warmup=0)
+    r = costs.mode_step_time_ratios(repeats=1, warmup=0)
     assert set(r["ratio_to_fp32"]) == {"fp32", "fp16", "bf16"} and r["ratio_to_fp32"]["fp32"] == 1.0
     assert all(v > 0 for v in r["ratio_to_fp32"].values()) and r["repeats"] == 1
     with pytest.raises(ValueError, match="fp32"):
-        demo.mode_step_time_ratios(modes=("fp16",))
+        costs.mode_step_time_ratios(modes=("fp16",))
     with pytest.raises(ValueError, match="unknown model field"):
-        demo.mode_step_time_ratios(n_layers=3)
+        costs.mode_step_time_ratios(n_layers=3)
     with pytest.raises(ValueError, match="repeats must be an int >= 1"):
-        demo.mode_step_time_ratios(repeats=0)
+        costs.mode_step_time_ratios(repeats=0)
     with pytest.raises(ValueError, match="steps must be an int >= 1"):
         demo.fp16_without_scaling(steps=0)
+
+
+def test_model_state_bytes_equal_every_convention() -> None:
+    rows = costs.model_state_bytes_by_convention(batch_size=2)
+    assert [r["convention"] for r in rows] == ["fp32", "zero", "main_grad", "playbook", "bf16_states"]
+    for r in rows:
+        assert r["measured"] == r["expected"], r["convention"]  # exact, category by category
+    assert [r["measured"]["total"] for r in rows] == [16, 16, 18, 20, 8]

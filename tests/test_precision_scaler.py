@@ -203,12 +203,12 @@ def test_nonfinite_flag_checks_grads_of_parameters_and_tensors() -> None:
 
 @functools.cache
 def _suite(backend: str) -> tuple:
-    return tuple(run_workers("tests.precision_workers:suite", 2, backend=backend, timeout=180))
+    return tuple(run_workers("lslm.demos.precision_ranks:suite", 2, backend=backend, timeout=180))
 
 
 @pytest.mark.parametrize("backend", backends(2))
 def test_ranks_skip_together_like_sharded_grad_scaler(backend: str) -> None:
-    from tests.precision_workers import INIT_SCALE, INJECT, STEPS
+    from lslm.demos.precision_ranks import INIT_SCALE, INJECT, STEPS
 
     results = _suite(backend)
     expected_stepped = [step not in INJECT for step in range(STEPS)]

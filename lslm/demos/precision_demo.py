@@ -11,19 +11,14 @@ the step counts are small. The sources of each rule are in :mod:`lslm.precision`
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
-from lslm.metrics.activations import ActivationMemory
 from lslm.models.gpt import GPT
 from lslm.precision import (
-    PRECISION_MODES,
     DynamicLossScaler,
     LossScaleAtMinimumError,
     MixedPrecisionOptimizer,
@@ -32,10 +27,10 @@ from lslm.precision import (
     prepare_precision,
 )
 from lslm.precision.formats import FORMATS
-from lslm.recipes.train import TrainConfig, build_model, data_stream
+from lslm.recipes.train import TrainConfig, adamw, build_model, data_stream
 
-__all__ = ["MODEL_FIELDS", "Blowup", "activation_bytes_by_mode", "autocast_vs_lslm", "fp16_without_scaling",
-           "gradients_of_gpt", "min_scale_failure", "mode_step_time_ratios", "scaler_first_steps"]
+__all__ = ["MODEL_FIELDS", "Blowup", "autocast_vs_lslm", "fp16_without_scaling", "gradients_of_gpt",
+           "min_scale_failure", "scaler_first_steps"]
 
 MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "dropout")
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -63,12 +58,8 @@ def _batches(cfg: TrainConfig, n: int) -> list[tuple[torch.Tensor, torch.Tensor]
 
 
 def _factory(cfg: TrainConfig) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
-    """The baseline's AdamW (:func:`lslm.recipes.train.make_optimizer`) over whatever list it is given (masters)."""
-    def build(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
-        groups = [{"params": [p for p in ps if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-                  {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
-    return build
+    """The baseline's AdamW (:func:`lslm.recipes.train.adamw`) over whatever list it is given (masters)."""
+    return lambda params: adamw(params, cfg)
 
 
 def _gradscaler_like(init_scale: float, growth_interval: int = 2000) -> dict[str, Any]:
@@ -300,87 +291,3 @@ def min_scale_failure(max_steps: int = 20, initial_scale_power: int = 4, seed: i
     return {"fp16": {"scales": scales, "hysteresis": hyst, "error": error, "error_step": error_step},
             "bf16": {"stepped": stepped, "loss": losses,
                      "finite": all(bool(torch.isfinite(p).all()) for p in bf16.model.parameters())}}
-
-
-class _SavedByKind(ActivationMemory):
-    """:class:`ActivationMemory` that also splits the counted bytes by dtype and marks casts of weights."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__(model)
-        self.by_dtype: dict[str, int] = {}
-        self.weight_copy_bytes = 0
-        self._weights = [p.detach() for p in model.parameters() if p.dim() == 2]
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        before = self.bytes
-        out = super()._pack(t)
-        new = self.bytes - before
-        if new:
-            name = str(t.dtype).removeprefix("torch.")
-            self.by_dtype[name] = self.by_dtype.get(name, 0) + new
-            # autocast saves the half copy of each weight it cast (a new storage, so it counts here);
-            # recognise it by value: equal to a weight, or its transpose, rounded to t's dtype.
-            if t.dim() == 2 and t.dtype != torch.float32 and any(
-                    s.shape == w.shape and torch.equal(s, w.to(t.dtype)) for w in self._weights for s in (t, t.t())):
-                self.weight_copy_bytes += new
-        return out
-
-
-def activation_bytes_by_mode(batch_size: int = 8, seed: int = 0, with_loss: bool = True,
-                             **model: Any) -> list[dict[str, Any]]:
-    """Bytes autograd saves in one forward (:class:`ActivationMemory`) of fp32, fp16 and bf16 models and autocast bf16.
-
-    Rows: ``mode``, ``bytes``, ``ratio_to_fp32``, ``by_dtype`` (bytes per saved dtype) and
-    ``weight_copy_bytes`` (saved half copies of weights: autocast's casts, 0 otherwise).
-    ``with_loss``: include the loss (the model's fp32 logits and cross-entropy's fp32
-    log-softmax) or stop at the logits.
-    """
-    cfg = _config(batch_size, seed, model)
-    x, y = _batches(cfg, 1)[0]
-    rows = []
-    for mode in ("fp32", "fp16", "bf16", "autocast bf16"):
-        gpt = build_model(cfg).to(_DTYPES.get(mode, torch.float32))
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if mode.startswith("autocast") else nullcontext()
-        with _SavedByKind(gpt) as act, ctx:
-            gpt(x, y if with_loss else None)
-        rows.append({"mode": mode, "bytes": act.bytes, "by_dtype": act.by_dtype,
-                     "weight_copy_bytes": act.weight_copy_bytes})
-    for r in rows:
-        r["ratio_to_fp32"] = r["bytes"] / rows[0]["bytes"]
-    return rows
-
-
-def mode_step_time_ratios(repeats: int = 7, warmup: int = 2, modes: tuple[str, ...] = ("fp32", "fp16", "bf16"),
-                          batch_size: int = 8, seed: int = 0, **model: Any) -> dict[str, Any]:
-    """Median training-step time of each lslm mode (forward, backward, clip, AdamW), as ratios to fp32.
-
-    Modes are interleaved (one step of each in turn, ``warmup`` rounds untimed, then
-    ``repeats``), so a slow spell of a shared machine hits them alike. Returns ``ratio_to_fp32``
-    (of the medians) per mode, ``ratio_of_minima`` (the least disturbed steps: a check on the
-    medians when other jobs share the cores), ``median_s`` and ``repeats``.
-    """
-    if "fp32" not in modes or not set(modes) <= set(PRECISION_MODES):
-        raise ValueError(f"modes must be among {PRECISION_MODES} and include 'fp32' (the reference), got {modes}")
-    cfg = _config(batch_size, seed, model, minimum=0, warmup=warmup)
-    _config(batch_size, seed, {}, repeats=repeats)  # >= 1: a median needs a timed step
-    x, y = _batches(cfg, 1)[0]
-    setups = {m: prepare_precision(build_model(cfg), m, _factory(cfg)) for m in modes}
-    times: dict[str, list[float]] = {m: [] for m in modes}
-
-    def one_step(s: Any) -> float:
-        t0 = time.perf_counter()
-        s.optimizer.zero_grad()
-        s.optimizer.backward(s.model(x, y)[1])
-        s.optimizer.step(max_grad_norm=cfg.grad_clip)
-        return time.perf_counter() - t0
-
-    for r in range(warmup + repeats):
-        for m in modes:
-            dt = one_step(setups[m])
-            if r >= warmup:
-                times[m].append(dt)
-    med = {m: statistics.median(t) for m, t in times.items()}
-    return {"ratio_to_fp32": {m: med[m] / med["fp32"] for m in modes},
-            "ratio_of_minima": {m: min(times[m]) / min(times["fp32"]) for m in modes}, "median_s": med,
-            "repeats": repeats}
-

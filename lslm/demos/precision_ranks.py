@@ -1,6 +1,6 @@
-"""Workers for tests/test_precision_scaler.py: ranks agree on overflow, as ShardedGradScaler's ranks do.
+"""Ranks agree on overflow, as ShardedGradScaler's ranks do: the launch notebook 07 and the scaler tests run.
 
-One launch (:func:`suite`) runs three cases on every rank, each with a scripted
+``lslm.launch("lslm.demos.precision_ranks:suite", nproc=2)`` runs three cases on every rank, each with a scripted
 overflow pattern in which only rank 1 injects an inf or a NaN into its gradients:
 
 * ``lslm``: :class:`DynamicLossScaler` with ``comm=ctx.comm`` (MAX over the world) driving
@@ -33,14 +33,14 @@ INTERVAL = 2
 INJECT = {1: float("inf"), 4: float("nan"), 5: float("-inf")}
 
 
-def _model() -> nn.Module:
+def _model(device: torch.device) -> nn.Module:
     torch.manual_seed(SEED)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(device)
 
 
-def _batch(step: int, rank: int) -> torch.Tensor:
+def _batch(step: int, rank: int, device: torch.device) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(4, 8, generator=g)
+    return torch.randn(4, 8, generator=g).to(device)  # lslm: cpu-ok (seeded CPU draw, then moved)
 
 
 def _inject(grad: torch.Tensor, step: int, rank: int) -> None:
@@ -53,14 +53,14 @@ def _digest(params: list[torch.Tensor]) -> list[float]:
 
 
 def _lslm_case(ctx: Any) -> dict[str, Any]:
-    model = _model()
+    model = _model(ctx.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = DynamicLossScaler(INIT_SCALE, growth_interval=INTERVAL, hysteresis=1, min_scale=None, comm=ctx.comm)
     stepped, scales = [], []
     ctx.comm.ledger.reset()
     for step in range(STEPS):
         opt.zero_grad()
-        scaler.backward(model(_batch(step, ctx.rank)).square().mean())
+        scaler.backward(model(_batch(step, ctx.rank, ctx.device)).square().mean())
         _inject(model[0].weight.grad, step, ctx.rank)
         stepped.append(scaler.step(opt))
         scales.append(scaler.scale)
@@ -71,13 +71,13 @@ def _lslm_case(ctx: Any) -> dict[str, Any]:
 def _torch_case(ctx: Any) -> dict[str, Any]:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    model = _model()
+    model = _model(ctx.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = ShardedGradScaler(device="cpu", init_scale=INIT_SCALE, growth_interval=INTERVAL)
+    scaler = ShardedGradScaler(device=ctx.device.type, init_scale=INIT_SCALE, growth_interval=INTERVAL)
     stepped, scales = [], []
     for step in range(STEPS):
         opt.zero_grad()
-        scaler.scale(model(_batch(step, ctx.rank)).square().mean()).backward()
+        scaler.scale(model(_batch(step, ctx.rank, ctx.device)).square().mean()).backward()
         _inject(model[0].weight.grad, step, ctx.rank)
         before = [p.detach().clone() for p in model.parameters()]
         scaler.step(opt)
@@ -89,13 +89,13 @@ def _torch_case(ctx: Any) -> dict[str, Any]:
 
 def _master_case(ctx: Any) -> dict[str, Any]:
     torch.manual_seed(SEED)
-    model = GPT(GPTConfig.tiny(vocab_size=64, block_size=8, n_layer=1, n_embd=32))
+    model = GPT(GPTConfig.tiny(vocab_size=64, block_size=8, n_layer=1, n_embd=32)).to(ctx.device)
     scaler = DynamicLossScaler(INIT_SCALE, growth_interval=INTERVAL, hysteresis=1, min_scale=None, comm=ctx.comm)
     mp = MixedPrecisionOptimizer(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), torch.float16, scaler=scaler)
     stepped, scales, identical_when_skipped = [], [], []
     for step in range(STEPS):
         g = torch.Generator().manual_seed(1000 * ctx.rank + step)
-        tok = torch.randint(0, 64, (2, 9), generator=g)
+        tok = torch.randint(0, 64, (2, 9), generator=g).to(ctx.device)  # lslm: cpu-ok (seeded CPU draw, then moved)
         mp.zero_grad()
         mp.backward(model(tok[:, :-1], tok[:, 1:])[1])
         _inject(mp.params[0].main_grad, step, ctx.rank)

@@ -1,0 +1,145 @@
+"""What each precision mode costs, measured in-process for notebook 07: model-state and activation bytes, step time.
+
+* :func:`model_state_bytes_by_convention`: one real training step of the baseline GPT in
+  each way of keeping model states (fp32; half weights with fp32 masters and ``main_grad``,
+  ZeRO's half gradients, the Playbook's extra fp32 gradient copy; pure bf16), counted by
+  :func:`lslm.precision.bytes.bytes_per_param` next to the convention it should equal;
+* :func:`activation_bytes_by_mode`: what autograd saves in one forward, per mode;
+* :func:`mode_step_time_ratios`: step time per mode, as ratios to fp32 (interleaved, medians).
+
+The model, data and optimizer are :mod:`lslm.demos.precision_demo`'s (the serial recipe's).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from lslm.demos.precision_demo import _DTYPES, _batches, _config, _factory
+from lslm.metrics.activations import ActivationMemory
+from lslm.precision import CONVENTIONS, PRECISION_MODES, bytes_per_param, prepare_precision
+from lslm.recipes.train import build_model
+
+__all__ = ["CONVENTION_SETUPS", "activation_bytes_by_mode", "mode_step_time_ratios", "model_state_bytes_by_convention"]
+
+#: convention -> (precision mode, prepare_precision keywords) that keeps model states that way.
+CONVENTION_SETUPS: dict[str, tuple[str, dict[str, Any]]] = {
+    "fp32": ("fp32", {}),
+    "zero": ("fp16", {"main_grad": False}),
+    "main_grad": ("bf16", {}),
+    "playbook": ("bf16", {"main_grad": False, "keep_fp32_grads": True}),
+    "bf16_states": ("bf16", {"master_weights": False}),
+}
+
+
+def model_state_bytes_by_convention(batch_size: int = 8, seed: int = 0, **model: Any) -> list[dict[str, Any]]:
+    """Model-state bytes per parameter after one real step in each way of :data:`CONVENTION_SETUPS`, vs the convention.
+
+    Rows: ``convention``, ``mode``, ``source``, ``measured`` and ``expected`` (bytes per
+    parameter by memory category, and ``total``), ``num_params``. Counted after backward and
+    the step, before the next ``zero_grad`` (gradients alive, as at the step's peak); Adam's
+    4-byte ``step`` counter per parameter tensor is left out (it does not scale with Ψ).
+    """
+    cfg = _config(batch_size, seed, model)
+    x, y = _batches(cfg, 1)[0]
+    rows = []
+    for name, (mode, kw) in CONVENTION_SETUPS.items():
+        setup = prepare_precision(build_model(cfg), mode, _factory(cfg), **kw)
+        setup.optimizer.zero_grad()
+        setup.optimizer.backward(setup.model(x, y)[1])
+        setup.optimizer.step(max_grad_norm=cfg.grad_clip)
+        measured = bytes_per_param(setup.model, setup.optimizer)
+        conv = CONVENTIONS[name]
+        rows.append({"convention": name, "mode": mode, "source": conv.source, "num_params": measured.num_params,
+                     "measured": {**measured.per_param(), "total": measured.total},
+                     "expected": {**conv.by_category(), "total": conv.total}})
+    return rows
+
+
+class _SavedByKind(ActivationMemory):
+    """:class:`ActivationMemory` that also splits the counted bytes by dtype and marks casts of weights."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.by_dtype: dict[str, int] = {}
+        self.weight_copy_bytes = 0
+        self._weights = [p.detach() for p in model.parameters() if p.dim() == 2]
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        before = self.bytes
+        out = super()._pack(t)
+        new = self.bytes - before
+        if new:
+            name = str(t.dtype).removeprefix("torch.")
+            self.by_dtype[name] = self.by_dtype.get(name, 0) + new
+            # autocast saves the half copy of each weight it cast (a new storage, so it counts here);
+            # recognise it by value: equal to a weight, or its transpose, rounded to t's dtype.
+            if t.dim() == 2 and t.dtype != torch.float32 and any(
+                    s.shape == w.shape and torch.equal(s, w.to(t.dtype)) for w in self._weights for s in (t, t.t())):
+                self.weight_copy_bytes += new
+        return out
+
+
+def activation_bytes_by_mode(batch_size: int = 8, seed: int = 0, with_loss: bool = True,
+                             **model: Any) -> list[dict[str, Any]]:
+    """Bytes autograd saves in one forward (:class:`ActivationMemory`) of fp32, fp16 and bf16 models and autocast bf16.
+
+    Rows: ``mode``, ``bytes``, ``ratio_to_fp32``, ``by_dtype`` (bytes per saved dtype) and
+    ``weight_copy_bytes`` (saved half copies of weights: autocast's casts, 0 otherwise).
+    ``with_loss``: include the loss (the model's fp32 logits and cross-entropy's fp32
+    log-softmax) or stop at the logits.
+    """
+    cfg = _config(batch_size, seed, model)
+    x, y = _batches(cfg, 1)[0]
+    rows = []
+    for mode in ("fp32", "fp16", "bf16", "autocast bf16"):
+        gpt = build_model(cfg).to(_DTYPES.get(mode, torch.float32))
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if mode.startswith("autocast") else nullcontext()
+        with _SavedByKind(gpt) as act, ctx:
+            gpt(x, y if with_loss else None)
+        rows.append({"mode": mode, "bytes": act.bytes, "by_dtype": act.by_dtype,
+                     "weight_copy_bytes": act.weight_copy_bytes})
+    for r in rows:
+        r["ratio_to_fp32"] = r["bytes"] / rows[0]["bytes"]
+    return rows
+
+
+def mode_step_time_ratios(repeats: int = 7, warmup: int = 2, modes: tuple[str, ...] = ("fp32", "fp16", "bf16"),
+                          batch_size: int = 8, seed: int = 0, **model: Any) -> dict[str, Any]:
+    """Median training-step time of each lslm mode (forward, backward, clip, AdamW), as ratios to fp32.
+
+    Modes are interleaved (one step of each in turn, ``warmup`` rounds untimed, then
+    ``repeats``), so a slow spell of a shared machine hits them alike. Returns ``ratio_to_fp32``
+    (of the medians) per mode, ``ratio_of_minima`` (the least disturbed steps: a check on the
+    medians when other jobs share the cores), ``median_s`` and ``repeats``.
+    """
+    if "fp32" not in modes or not set(modes) <= set(PRECISION_MODES):
+        raise ValueError(f"modes must be among {PRECISION_MODES} and include 'fp32' (the reference), got {modes}")
+    cfg = _config(batch_size, seed, model, minimum=0, warmup=warmup)
+    _config(batch_size, seed, {}, repeats=repeats)  # >= 1: a median needs a timed step
+    x, y = _batches(cfg, 1)[0]
+    setups = {m: prepare_precision(build_model(cfg), m, _factory(cfg)) for m in modes}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+
+    def one_step(s: Any) -> float:
+        t0 = time.perf_counter()
+        s.optimizer.zero_grad()
+        s.optimizer.backward(s.model(x, y)[1])
+        s.optimizer.step(max_grad_norm=cfg.grad_clip)
+        return time.perf_counter() - t0
+
+    for r in range(warmup + repeats):
+        for m in modes:
+            dt = one_step(setups[m])
+            if r >= warmup:
+                times[m].append(dt)
+    med = {m: statistics.median(t) for m, t in times.items()}
+    return {"ratio_to_fp32": {m: med[m] / med["fp32"] for m in modes},
+            "ratio_of_minima": {m: min(times[m]) / min(times["fp32"]) for m in modes}, "median_s": med,
+            "repeats": repeats}
+
