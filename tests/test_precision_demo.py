@@ -118,3 +118,12 @@ def test_model_state_bytes_equal_every_convention() -> None:
     for r in rows:
         assert r["measured"] == r["expected"], r["convention"]  # exact, category by category
     assert [r["measured"]["total"] for r in rows] == [16, 16, 18, 20, 8]
+
+
+def test_matmul_time_ratios_fields_and_checks() -> None:
+    r = costs.matmul_time_ratios(n=8, repeats=1)
+    assert set(r["ratio_to_fp32"]) == {"fp32", "fp16", "bf16"} and r["ratio_to_fp32"]["fp32"] == 1.0 and r["n"] == 8
+    with pytest.raises(ValueError, match="include 'fp32'"):
+        costs.matmul_time_ratios(dtypes=("bf16",))
+    with pytest.raises(ValueError, match="n and repeats"):
+        costs.matmul_time_ratios(n=0)

@@ -25,7 +25,8 @@ from lslm.metrics.activations import ActivationMemory
 from lslm.precision import CONVENTIONS, PRECISION_MODES, bytes_per_param, prepare_precision
 from lslm.recipes.train import build_model
 
-__all__ = ["CONVENTION_SETUPS", "activation_bytes_by_mode", "mode_step_time_ratios", "model_state_bytes_by_convention"]
+__all__ = ["CONVENTION_SETUPS", "activation_bytes_by_mode", "matmul_time_ratios", "mode_step_time_ratios",
+           "model_state_bytes_by_convention"]
 
 #: convention -> (precision mode, prepare_precision keywords) that keeps model states that way.
 CONVENTION_SETUPS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -143,3 +144,29 @@ def mode_step_time_ratios(repeats: int = 7, warmup: int = 2, modes: tuple[str, .
             "ratio_of_minima": {m: min(times[m]) / min(times["fp32"]) for m in modes}, "median_s": med,
             "repeats": repeats}
 
+
+
+def matmul_time_ratios(n: int = 256, repeats: int = 9, dtypes: tuple[str, ...] = ("fp32", "fp16", "bf16"),
+                       seed: int = 0) -> dict[str, Any]:
+    """Median time of one ``n x n`` matmul on the CPU in each dtype, as ratios to fp32 (interleaved, after a warm-up).
+
+    The matmul alone, without the rest of a training step: how fast this CPU's kernels for each
+    format are. Returns ``ratio_to_fp32`` per dtype, ``median_s`` and ``n``.
+    """
+    if not isinstance(n, int) or n < 1 or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"n and repeats must be ints >= 1, got n={n!r}, repeats={repeats!r}")
+    if "fp32" not in dtypes or not set(dtypes) <= set(PRECISION_MODES):
+        raise ValueError(f"dtypes must be among {PRECISION_MODES} and include 'fp32' (the reference), got {dtypes}")
+    g = torch.Generator().manual_seed(seed)
+    a32 = torch.randn(n, n, generator=g)  # lslm: cpu-ok (measures this CPU's matmul kernels)
+    b32 = torch.randn(n, n, generator=g)  # lslm: cpu-ok (measures this CPU's matmul kernels)
+    pairs = {d: (a32.to(_DTYPES.get(d, torch.float32)), b32.to(_DTYPES.get(d, torch.float32))) for d in dtypes}
+    times: dict[str, list[float]] = {d: [] for d in dtypes}
+    for r in range(repeats + 1):  # round 0 warms up each kernel
+        for d, (a, b) in pairs.items():
+            t0 = time.perf_counter()
+            a @ b
+            if r:
+                times[d].append(time.perf_counter() - t0)
+    med = {d: statistics.median(t) for d, t in times.items()}
+    return {"ratio_to_fp32": {d: med[d] / med["fp32"] for d in dtypes}, "median_s": med, "n": n}
