@@ -6,6 +6,7 @@ smaller than the world runs ``dp = world / pp`` replicas, each on its half of th
 and :meth:`TorchPipeline.step` averages gradients over them. Every rank computes the serial
 loss and gradients itself (same seed, same global batch) and reports, per case, the loss
 error, the largest relative gradient error over its parameters and their names.
+:func:`side_by_side` runs lslm's executor next to torch's twin schedule instead.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from lslm.models.gpt import GPT
+from lslm.pipeline.apply import PipelinePlan, apply_pipeline
 from lslm.pipeline.torch_reference import TorchPipeline
 from lslm.runtime import init_distributed
 from lslm.runtime.context import ParallelContext
@@ -99,4 +101,33 @@ def check(cases: list[list[Any]]) -> dict[str, Any]:
                         "missing_grads": sorted(set(info["names"]) - set(grads)), **info,
                         "pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank}
             world.comm.barrier(label="test case end")
+    return out
+
+
+def side_by_side(pp: int, cases: list[list[Any]]) -> dict[str, Any]:
+    """lslm's executor and torch's twin schedule on the same stages and batch, for each ``[schedule, m]`` case.
+
+    The world is one pipeline of ``pp`` ranks. Per case (key ``"{schedule}-m{m}"``): both losses, the
+    serial loss, the largest ``|lslm - torch|`` over this rank's gradients, and the largest serial gradient
+    entry over them (the scale of the tolerance), as ``lslm.demos.pipeline_demo.torch_side_by_side_worker``
+    reports for one ``m``; here several ``m`` share one launch.
+    """
+    x, y = batch()
+    serial_loss, serial_grads = serial(x, y)
+    out: dict[str, Any] = {}
+    with init_distributed(pp=pp) as ctx:
+        torch.set_num_threads(1)
+        for schedule, m in cases:
+            torch.manual_seed(SEED)
+            ours = apply_pipeline(GPT(config()), ctx, PipelinePlan(schedule=schedule, microbatches=m))
+            lslm_loss = ours.step(x, y).item()
+            torch.manual_seed(SEED)
+            theirs = TorchPipeline(GPT(config()), ctx, schedule, m, 1)
+            torch_loss = theirs.step(x, y).item()
+            a, b = dict(ours.named_parameters()), dict(theirs.named_parameters())
+            assert a.keys() == b.keys()
+            out[f"{schedule}-m{m}"] = {
+                "lslm_loss": lslm_loss, "torch_loss": torch_loss, "serial_loss": serial_loss,
+                "max_grad_diff_torch": max((a[n].grad - b[n].grad).abs().max().item() for n in a),
+                "max_grad": max(serial_grads[n].abs().max().item() for n in a), "names": sorted(a)}
     return out

@@ -15,6 +15,7 @@ import torch
 
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.pipeline.apply import PipelinePlan, apply_pipeline
+from lslm.pipeline.memory import PipelineMemory
 from lslm.pipeline.p2p import action_of_record
 from lslm.pipeline.schedules import build_schedule, schedule_from_lists
 from lslm.runtime import init_distributed
@@ -56,6 +57,31 @@ def _hand_schedule(p: int, m: int) -> Any:
     return schedule_from_lists(lists, m, name="1f1b-iw")
 
 
+def _trace_memory(mem: PipelineMemory) -> dict[str, Any]:
+    """Record what :class:`PipelineMemory` held at each of its boundaries, and what each ``I`` left for its ``W``.
+
+    Fills (in place, during the step) ``"held"``: the held bytes at every ``observe`` in order (one before each
+    compute action, one after the step, one after each rematerialised forward), and ``"w_bytes"``: per
+    ``"stage,mb"``, the bytes the entry keeps after a split backward (the linear layers' inputs and output
+    gradients the postponed ``W`` needs). Test-only instrumentation: wraps the instance's own methods.
+    """
+    out: dict[str, Any] = {"held": [], "w_bytes": {}}
+    observe, release = mem.observe, mem.release
+
+    def traced_observe() -> int:
+        now = observe()
+        out["held"].append(now)
+        return now
+
+    def traced_release(key: tuple[int, int], keep: Any = ()) -> None:
+        release(key, keep)
+        if key in mem.entries:  # kept for a W
+            out["w_bytes"][f"{key[0]},{key[1]}"] = sum(mem.entries[key].values())
+
+    mem.observe, mem.release = traced_observe, traced_release  # type: ignore[method-assign]
+    return out
+
+
 def _rel_err(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     worst = 0.0
     for n, g in grads.items():
@@ -74,6 +100,7 @@ def run_case(ctx: ParallelContext, x: torch.Tensor, y: torch.Tensor, *, schedule
     plan = PipelinePlan(schedule=schedule, microbatches=m, virtual_stages=v, partition=partition, remat=remat,
                         deallocate_outputs=dealloc, record_timeline=timeline, track_memory=memory)
     pipe = apply_pipeline(model, ctx, plan, schedule=_hand_schedule(ctx.pp_size, m) if custom else None)
+    trace = _trace_memory(pipe.memory) if pipe.memory is not None else None
     rows = x.shape[0] // ctx.dp_size
     xr, yr = (t[ctx.dp_rank * rows:(ctx.dp_rank + 1) * rows] for t in (x, y))
     since = len(ctx.comm.ledger.records)
@@ -92,7 +119,7 @@ def run_case(ctx: ParallelContext, x: torch.Tensor, y: torch.Tensor, *, schedule
     extras["comm_actions"] = sorted(str(a) for a in pipe.executor.actions if a.is_comm)
     extras["dp_sync"] = sorted(r.label for r in records if r.label.startswith("pp dp grads"))
     if memory:
-        extras["memory"] = pipe.last_memory
+        extras["memory"] = {**pipe.last_memory, **(trace or {})}
     if timeline:
         tl = pipe.gather_timeline()
         extras["timeline"] = {"ranks": tl.num_ranks,

@@ -24,8 +24,10 @@ from lslm.pipeline.memory import PipelineMemory
 from lslm.pipeline.p2p import action_of_record, comm_label, peer_stage
 from lslm.pipeline.partition import split_gpt
 from lslm.pipeline.schedules import build_schedule
+from lslm.pipeline.simulator import simulate
 from lslm.pipeline.split_backward import SplitLinear, WeightGradStore, split_linears, unsplit_linears
 from lslm.pipeline.stage import StageRuntime
+from lslm.pipeline.theory import activation_memory_theory, activation_units_theory
 from lslm.runtime.records import CommRecord
 from tests.helpers import backends, nproc_backends, run_workers
 
@@ -251,6 +253,10 @@ def _cases(p: int) -> list[dict[str, Any]]:
         add(f"mem {sched} keep", schedule=sched, m=8, memory=True, dealloc=False, base=f"{sched} m8")
     add("mem 1f1b remat", schedule="1f1b", m=8, memory=True, remat=True, base="1f1b m8")
     add("mem zb-h1", schedule="zb-h1", m=8, memory=True)
+    add("mem interleaved", schedule="interleaved", m=8, v=2, memory=True)
+    add("mem dualpipev", schedule="dualpipev", m=8, v=2, memory=True)
+    for m in (2, 4):  # GPipe's peak against m (m = 8 is "mem gpipe")
+        add(f"mem gpipe m{m}", schedule="gpipe", m=m, memory=True)
     return cases
 
 
@@ -326,6 +332,146 @@ def test_activation_memory_follows_the_schedule(pp_run: tuple[int, list[dict[str
         assert kept_input < e and remat["remat_forwards"] == m
         # The kept inputs, plus one re-run micro-batch holding all a forward holds (its output included).
         assert remat["peak_bytes"] == (in_flight - 1) * kept_input + e + sent
+
+
+# Memory of every schedule: one micro-batch-stage ("e") is one stage's activations for one micro-batch, the unit of
+# the simulator's peak_in_flight and of theory.activation_memory_theory.
+MEM_CASES = {"gpipe": ("mem gpipe", 1), "1f1b": ("mem 1f1b", 1), "zb-h1": ("mem zb-h1", 1),
+             "interleaved": ("mem interleaved", 2), "dualpipev": ("mem dualpipev", 2)}
+
+
+def _held_by_schedule(name: str, p: int, m: int, v: int, rank: int,
+                      mem: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:
+    """Held bytes, in-flight count and pending-W count at each of the executor's boundaries on ``rank``.
+
+    The boundaries are those of :class:`PipelineMemory` without rematerialisation: before each compute action,
+    then once after the step. Which (stage, micro-batch) pairs are in flight comes from the schedule's order
+    alone, counted as the simulator counts ``peak_in_flight`` (F adds, B / I removes); a pair waiting for its W
+    (after I) holds what the W needs. The bytes of each pair are the measured ones (``per_mb_bytes``,
+    ``w_bytes``): the prediction says the executor holds exactly these pairs and nothing else.
+    """
+    sched = build_schedule(name, p, m, v)
+    per_mb = {int(s): row for s, row in mem["per_mb_bytes"].items()}
+    w_bytes = {(int(k.split(",")[0]), int(k.split(",")[1])): b for k, b in mem["w_bytes"].items()}
+    handed = (ROWS // m) * T * C * 4  # one hidden state: what a stage hands to the next one on the same rank
+    in_flight: set[tuple[int, int]] = set()
+    pending: set[tuple[int, int]] = set()
+    held, counts, ws = [], [], []
+
+    def boundary() -> None:
+        b = sum(per_mb[s][mb] for s, mb in in_flight) + sum(w_bytes[k] for k in pending)
+        # DualPipeV's turn of the V (stages p-1 and p on the last rank): stage s's output is never sent (so never
+        # deallocated) and is stage s+1's input, one storage charged to both pairs: the union counts it once.
+        b -= handed * sum((s + 1, mb) in in_flight for s, mb in in_flight)
+        held.append(b)
+        counts.append(len(in_flight))
+        ws.append(len(pending))
+
+    for a in sched.compute[rank]:
+        boundary()
+        key = (a.stage, a.mb)
+        if a.kind == "F":
+            in_flight.add(key)
+        elif a.kind in ("B", "I"):
+            in_flight.remove(key)
+            if a.kind == "I":
+                pending.add(key)
+        else:
+            pending.remove(key)
+    boundary()
+    return held, counts, ws
+
+
+def test_held_bytes_at_every_boundary_are_the_simulated_in_flight_set(pp_run: tuple[int, list[dict[str, Any]]]) -> None:
+    """Every schedule at m = 8: the bytes held at each action boundary are exactly the sum over the (stage,
+    micro-batch) pairs in flight there (the simulator's count) of their measured bytes, plus what pending Ws hold."""
+    p, results = pp_run
+    m = 8
+    for name, (case, v) in MEM_CASES.items():
+        sim = simulate(build_schedule(name, p, m, v))
+        for r in results:
+            rank, mem = r["pp_rank"], r["cases"][case]["memory"]
+            held, counts, waiting_w = _held_by_schedule(name, p, m, v, rank, mem)
+            assert mem["held"] == held, (name, rank)
+            assert mem["peak_bytes"] == max(held), (name, rank)
+            assert max(counts) == sim.peak_in_flight[rank] == activation_memory_theory(name, p, m, v, rank)
+            assert max(waiting_w) == sim.peak_pending_w[rank], (name, rank)
+            assert held[-1] == 0, (name, rank)  # every entry released by the end of the step
+
+
+def test_peak_in_micro_batch_stage_units_against_the_simulator(pp_run: tuple[int, list[dict[str, Any]]]) -> None:
+    """The notebook's comparison (measured peak / one micro-batch-stage's bytes vs ``peak_in_flight``), exact where
+    it can be, and the exact relation that replaces it where a rank's stages or a pending W make it inexact."""
+    p, results = pp_run
+    m = 8
+    sims = {name: simulate(build_schedule(name, p, m, v)) for name, (_, v) in MEM_CASES.items()}
+    for r in results:
+        rank = r["pp_rank"]
+        mem = {name: r["cases"][case]["memory"] for name, (case, _) in MEM_CASES.items()}
+        e = {name: {int(s): row for s, row in x["per_mb_bytes"].items()} for name, x in mem.items()}
+        for name, stages in e.items():
+            assert all(len(set(row)) == 1 for row in stages.values()), name  # every micro-batch of a stage alike
+        e = {name: {s: row[0] for s, row in stages.items()} for name, stages in e.items()}
+
+        # ZB-H1: rank r peaks with p - r micro-batches in flight AND r micro-batches whose I ran and W waits; each
+        # of those still holds every linear layer's input and output gradient (w bytes, nearly a whole e). So the
+        # peak is p entries on every rank; in e units exactly p - r (the simulator's count) only on rank 0.
+        (ez,) = e["zb-h1"].values()
+        (wz,) = set(mem["zb-h1"]["w_bytes"].values())
+        assert 0 < wz < ez
+        assert sims["zb-h1"].peak_in_flight[rank] == p - rank
+        assert mem["zb-h1"]["peak_bytes"] == (p - rank) * ez + rank * wz, rank
+        if rank == 0:
+            assert mem["zb-h1"]["peak_bytes"] == sims["zb-h1"].peak_in_flight[0] * ez
+
+        # Interleaved (v = 2) and DualPipeV: a rank holds two stages. Where both save the same bytes per
+        # micro-batch (two middle stages of one block each: p = 4, ranks 1 and 2) the peak is exactly
+        # peak_in_flight stages' worth. Elsewhere they differ (stage 0 also keeps the int64 token ids and the
+        # positions its embeddings saved, the last stage the logits; on DualPipeV's last rank stage p-1 keeps the
+        # output it hands to stage p), so the peak depends on which pairs are in flight at once, exactly as
+        # test_held_bytes_at_every_boundary_are_the_simulated_in_flight_set checks, and lies between the extremes.
+        for name in ("interleaved", "dualpipev"):
+            k, stages = sims[name].peak_in_flight[rank], e[name]
+            if p == 4 and rank in (1, 2):
+                assert len(set(stages.values())) == 1, (name, rank)
+                assert mem[name]["peak_bytes"] == k * next(iter(stages.values())), (name, rank)
+            elif name == "interleaved":
+                assert len(set(stages.values())) == 2
+                assert k * min(stages.values()) < mem[name]["peak_bytes"] < k * max(stages.values()), (name, rank)
+                if rank == 0:  # stages 0 and p: ids and positions, (ROWS / m) x T int64 each
+                    assert stages[0] - stages[p] == 2 * (ROWS // m) * T * 8
+
+        # Interleaved on rank 0: (v-1) p + 2 (p-1) + 1 micro-batch-stages, i.e. in units of one micro-batch over
+        # L/p layers (v stages) p (1 + (p-1)/(p v)): Narayanan et al. 2021 sec. 2.2.2's factor over 1F1B's p.
+        v = MEM_CASES["interleaved"][1]
+        if rank == 0:
+            assert sims["interleaved"].peak_in_flight[0] == (v - 1) * p + 2 * (p - 1) + 1 == {2: 5, 4: 11}[p]
+            assert sims["interleaved"].peak_activation_units[0] == p * (1 + (p - 1) / (p * v)) \
+                == activation_units_theory("interleaved", p, m, v, 0) == {2: 2.5, 4: 5.5}[p]
+
+        # DualPipeV: DeepSeek-V3 (table 2) gives PP + 1 where PP counts pipeline *stages* (chunks), of which
+        # DualPipeV puts two on each of its PP/2 devices; with p ranks PP = 2p, so every rank holds 2p + 1
+        # chunk-micro-batches (this repo's reading; p + 1/2 in units of one micro-batch over L/p layers).
+        assert sims["dualpipev"].peak_in_flight[rank] == activation_memory_theory("dualpipev", p, m, 2, rank) \
+            == 2 * p + 1
+        assert activation_units_theory("dualpipev", p, m, 2, rank) == p + 0.5
+
+
+def test_gpipe_peak_is_all_m_micro_batches(pp_run: tuple[int, list[dict[str, Any]]]) -> None:
+    """GPipe at m = 2, 4, 8: the peak is exactly m micro-batches' worth on every rank.
+
+    The global batch is fixed (8 rows), so a micro-batch shrinks as m grows and the peak in *bytes* stays about
+    the whole batch's activations; it is the count, in units of one micro-batch, that grows as m. At a fixed
+    micro-batch size the bytes would grow with m too (1F1B's stay at p - rank micro-batches).
+    """
+    p, results = pp_run
+    for r in results:
+        stage = str(r["pp_rank"])
+        for m, case in ((2, "mem gpipe m2"), (4, "mem gpipe m4"), (8, "mem gpipe")):
+            mem = r["cases"][case]["memory"]
+            row = mem["per_mb_bytes"][stage]
+            assert len(row) == m and len(set(row)) == 1, (m, r["rank"])
+            assert mem["peak_bytes"] == m * row[0] == activation_memory_theory("gpipe", p, m) * row[0], (m, r["rank"])
 
 
 @pytest.mark.parametrize("backend", backends(4))

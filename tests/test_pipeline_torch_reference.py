@@ -12,11 +12,15 @@ dropped or doubled a micro-batch, or did not divide by ``m``, would be off by >=
 How torch averages is pinned down too: ``scale_grads=False`` leaves the *sum* over
 micro-batches (``m`` times the mean), and gradients not zeroed before a step are divided
 by ``m`` along with the new ones (``"stale"``).
+
+lslm's own executor is compared with torch's twin schedule directly (same stages, same batch) at p = 4, m = 8
+(every schedule) and at p = 2 with m = 1 and m = 4 (GPipe and 1F1B; one launch of 2 processes).
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -144,3 +148,45 @@ def test_lslm_schedules_equal_their_torch_twins_at_p4(backend: str) -> None:
             assert abs(r["lslm_loss"] - r["torch_loss"]) <= LOSS_RTOL * abs(r["torch_loss"]), r
             assert r["max_grad_diff_torch"] <= GRAD_RTOL * r["max_grad"], r
             assert abs(r["lslm_loss"] - r["serial_loss"]) <= LOSS_RTOL * abs(r["serial_loss"]), r
+
+
+# -- lslm against torch at small m, p = 2 ------------------------------------------------------------------------
+SMALL_M = [("gpipe", 1), ("1f1b", 1), ("gpipe", 4), ("1f1b", 4)]
+
+
+def _torch_refusal(schedule: str, m: int) -> str | None:
+    """Why torch cannot run ``schedule`` with ``m`` micro-batches at p = 2 (None when it can)."""
+    try:
+        tr.check_torch_config(schedule, 2, m)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.fixture(scope="module", params=backends(2))
+def small_m_run(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """One launch of 2 processes: every case of SMALL_M that torch accepts, lslm and torch side by side."""
+    cases = [[s, m] for s, m in SMALL_M if _torch_refusal(s, m) is None]
+    out = run_workers("tests.pipeline_torch_workers:side_by_side", 2, backend=request.param, timeout=240, pp=2,
+                      cases=cases)
+    assert all(list(r) == [f"{s}-m{m}" for s, m in cases] for r in out)
+    return {"results": out}
+
+
+@pytest.mark.parametrize(("schedule", "m"), SMALL_M, ids=[f"{s}-m{m}" for s, m in SMALL_M])
+def test_lslm_schedules_equal_their_torch_twins_at_small_m(small_m_run: dict[str, Any], schedule: str,
+                                                          m: int) -> None:
+    """m = 1 (one micro-batch: no pipelining at all) and m = 4 at p = 2: lslm and torch give the same loss and
+    gradients, with the bound of :func:`test_lslm_schedules_equal_their_torch_twins_at_p4` (m is a power of two,
+    so lslm's 1/m before the backward and torch's after it are the same operations)."""
+    refusal = _torch_refusal(schedule, m)
+    if refusal is not None:  # torch's Schedule1F1B needs m >= p: nothing to compare against
+        pytest.skip(refusal)
+    held = []
+    for rank_result in small_m_run["results"]:
+        r = rank_result[f"{schedule}-m{m}"]
+        assert abs(r["lslm_loss"] - r["torch_loss"]) <= LOSS_RTOL * abs(r["torch_loss"]), r
+        assert r["max_grad_diff_torch"] <= GRAD_RTOL * r["max_grad"], r
+        assert abs(r["lslm_loss"] - r["serial_loss"]) <= LOSS_RTOL * abs(r["serial_loss"]), r
+        held += r["names"]
+    assert sorted(held) == sorted(_names())  # the comparison covered every parameter, each on one rank
