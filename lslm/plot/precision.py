@@ -30,6 +30,8 @@ def plot_formats(formats: Sequence[str | FloatFormat] | None = None, histogram: 
                  title: str = "representable magnitudes of each format") -> Figure:
     """One bar per format on a log2 axis: subnormals (light) from the smallest subnormal, normals (dark) to max.
 
+    Each label also gives the format's precision, its unit roundoff ``u``.
+
     ``formats``: names of :data:`~lslm.precision.formats.FORMATS` (default: all).
     ``histogram``: :func:`~lslm.precision.formats.grad_exponent_histogram` output, drawn on
     a twin axis (log count) so the gradients can be read against each range. ``xlim``:
@@ -45,10 +47,12 @@ def plot_formats(formats: Sequence[str | FloatFormat] | None = None, histogram: 
                 label="subnormal range (fewer significant bits)" if i == 0 else None)
         ax.barh(i, math.log2(f.max) - mid, left=mid, height=0.6, color="#1f78b4", edgecolor="black", lw=0.4,
                 label="normal range" if i == 0 else None)
-    ax.set_yticks(range(len(fmts)), [f"{f.name}\n2^{f.log2_range[0]} .. {f.max:.6g}" for f in fmts], fontsize=8)
+    # Range is the bar; precision (the unit roundoff u: one rounding's largest relative error) goes in the label.
+    ax.set_yticks(range(len(fmts)), [f"{f.name}, u = 2^{round(math.log2(f.unit_roundoff))}\n"
+                                     f"2^{f.log2_range[0]} .. {f.max:.6g}" for f in fmts], fontsize=8)
     ax.set_ylim(len(fmts) - 0.4, -0.6)
     ax.set_xlabel("binary exponent, log2 |value|")
-    ax.set_ylabel("format (smallest subnormal .. max)")
+    ax.set_ylabel("format, precision u\n(smallest subnormal .. max)")
     ax.set_title(title, fontsize=10)
     left, right = min(f.log2_range[0] for f in fmts) - 2, max(math.log2(f.max) for f in fmts) + 2
     handles, labels = ax.get_legend_handles_labels()
