@@ -85,7 +85,7 @@ def test_each_bench_help_lists_its_own_options(capsys: pytest.CaptureFixture[str
     assert BENCH_OPTIONS["collectives"] == {"--nprocs", "--sizes-kib", "--repeats", "--out", "--device"}
     assert BENCH_OPTIONS["tp"] == {"--nprocs", "--steps", "--quick", "--no-sp", "--out", "--device"}
     assert BENCH_OPTIONS["pipeline"] == {"--nprocs", "--microbatches", "--repeats", "--warmup", "--quick", "--out",
-                                         "--device"}
+                                         "--device", "--n-embd", "--batch"}
     every = set().union(*BENCH_OPTIONS.values())
     for name, own in BENCH_OPTIONS.items():
         with pytest.raises(SystemExit) as exc:
@@ -176,3 +176,15 @@ def test_launch_help_explains_and_shows_examples(capsys: pytest.CaptureFixture[s
     for help_text in ("processes per node", "torchrun agents", "seconds before every rank is stopped",
                       "whose printed lines", "sets LSLM_DEVICE", "sets LSLM_BACKEND"):  # every option explained
         assert help_text in " ".join(text.split()), help_text
+
+
+def test_bench_pipeline_width_and_batch_reach_the_bench(monkeypatch) -> None:
+    from lslm.bench import pipeline
+
+    seen: dict = {}
+    monkeypatch.setattr(pipeline, "run", lambda *a, **kw: seen.update(args=a, **kw))
+    main(["bench", "pipeline", "--nprocs", "2", "--microbatches", "8", "--n-embd", "256", "--batch", "32"])
+    assert seen["args"] == ((2,), (8,)) and seen["batch"] == 32
+    assert seen["model"] == dict(pipeline.BENCH_MODEL, n_embd=256)
+    main(["bench", "pipeline", "--nprocs", "2"])
+    assert seen["model"] is None and seen["batch"] is None  # the bench's own defaults

@@ -114,6 +114,10 @@ def _pipeline_options(p: argparse.ArgumentParser) -> None:
                    help="untimed rounds first (default: 2; 1 with --quick)")
     p.add_argument("--quick", action="store_true",
                    help="tiny model, one timed step: checks structure, counts and bubbles, timings meaningless")
+    p.add_argument("--n-embd", type=_int_at_least(1), default=None, metavar="C",
+                   help="model width (default: 128): more compute per action, against the same per-message costs")
+    p.add_argument("--batch", type=_int_at_least(1), default=None, metavar="B",
+                   help="rows per step, split into the micro-batches (default: 16)")
     _out(p, "pipeline")
     _device(p)
 
@@ -201,8 +205,10 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         elif ns.name == "pipeline":
             from lslm.bench import pipeline
 
+            model = None if ns.n_embd is None else dict(pipeline.QUICK_MODEL if ns.quick else pipeline.BENCH_MODEL,
+                                                        n_embd=ns.n_embd)
             pipeline.run(tuple(ns.nprocs), tuple(ns.microbatches), quick=ns.quick, repeats=ns.repeats,
-                         warmup=ns.warmup, out_dir=out_dir, device=ns.device)
+                         warmup=ns.warmup, out_dir=out_dir, device=ns.device, model=model, batch=ns.batch)
         elif ns.name == "tp":
             from lslm.bench import tp
 

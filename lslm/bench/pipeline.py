@@ -206,19 +206,22 @@ def print_table(results: dict[int, dict[str, Any]], report: Report | None = None
             f"({mod['n_layer']} layers, width {mod['n_embd']}), batch {res['batch']} x {mod['block_size']} tokens, "
             f"medians of {res['repeats']} steps ==")
         out(f"{'schedule':<16} {'m':>2} {'v':>2} {'lslm ms':>8} {'torch ms':>8} {'lslm/torch':>10} "
-            f"{'bubble meas':>11} {'sim 1:2':>7} {'sim meas':>8} {'p2p KiB r0':>10} {'loss diff':>9}")
+            f"{'bubble meas':>11} {'sim 1:2':>7} {'sim meas':>8} {'meas/sim':>8} {'p2p KiB r0':>10} "
+            f"{'loss diff':>9}")
         for r in res["rows"]:
             sim = r["bubble_simulated"]
             sim_m = r["bubble_simulated_measured_costs"]
+            over = "-" if not sim_m else f"{r['bubble_measured'] / sim_m:.2f}x"
             out(f"{r['pair']:<16} {r['m']:>2} {r['v']:>2} {r['lslm_ms']:>8.1f} {r['torch_ms']:>8.1f} "
                 f"{r['ratio']:>9.2f}x {r['bubble_measured']:>11.1%} "
-                f"{'-' if sim is None else f'{sim:.1%}':>7} {'-' if sim_m is None else f'{sim_m:.1%}':>8} "
+                f"{'-' if sim is None else f'{sim:.1%}':>7} {'-' if sim_m is None else f'{sim_m:.1%}':>8} {over:>8} "
                 f"{r['pp_comm_bytes_rank0'] / 1024:>10.0f} {r['max_loss_diff']:>9.1e}")
         for m, why in res["skipped"].items():
             for name, reason in why.items():
                 out(f"  skipped {name} at m={m}: {reason}")
-    out("(times: ms, slowest rank; bubble meas: lslm's measured timeline; sim 1:2 / sim meas: simulated with "
-        "F=1, B=2, I=W=1 / with the measured F, B, I, W times; p2p: rank 0's activations and gradients per step)")
+    out("(times: ms, slowest rank; bubble meas: lslm's measured timeline, 1 - busy / (p x span); sim 1:2 / sim meas: "
+        "simulated with F=1, B=2, I=W=1 (= the closed forms) / with the measured F, B, I, W times; meas/sim: measured "
+        "over sim meas, what messages and per-action overheads add; p2p: rank 0's activations and gradients per step)")
 
 
 def _ratio_entry(res: dict[str, Any], pair: str) -> str | None:
