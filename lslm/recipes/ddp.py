@@ -155,6 +155,8 @@ def build(cfg: DDPConfig, ctx: ParallelContext) -> Built:
     model.train()
     # Cast before wrapping (DDP's buckets take the parameters' dtype); .grad stays, in the model's dtype,
     # for the wrapper to average: half-precision gradients are reduced in half precision, as torch DDP does.
+    # The fp32 masters are cloned before the wrapper broadcasts rank 0's weights: right because every rank
+    # builds the same weights from cfg.seed (a model that differs per rank would need its masters broadcast).
     setup = prepare_training(model, cfg, main_grad=False, ctx=ctx)
     optimizer = setup.optimizer  # the baseline's AdamW, parameter groups and all (over fp32 masters in half modes)
     ddp = make_ddp(model, ctx, variant=cfg.variant, bucket_cap_mb=cfg.bucket_cap_mb,

@@ -42,6 +42,7 @@ from lslm.data.dataset import next_token_batches, token_blocks
 from lslm.data.sampler import make_sampler
 from lslm.harness import Built, Marks, Recipe, StepTimer, entry_points, option, recipe_main
 from lslm.harness import summarize as summarize_run
+from lslm.precision import OVERFLOW_LABEL
 from lslm.recipes.train import TrainConfig, build_model, precision_fields, prepare_training
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import resolve_sizes
@@ -132,7 +133,8 @@ def build(cfg: TPConfig, ctx: ParallelContext) -> Built:
         traffic.update(precision_fields(setup, stepped))
         dp_bytes = ledger.total_bytes(label=DP_GRAD_LABEL, since=since)
         clip_bytes = ledger.total_bytes(label=CLIP_LABEL, since=since)
-        traffic.update(tp_comm_bytes=ledger.total_bytes(since=since) - dp_bytes - clip_bytes,
+        vote_bytes = ledger.total_bytes(label=OVERFLOW_LABEL, since=since)  # fp16's overflow vote: not TP traffic
+        traffic.update(tp_comm_bytes=ledger.total_bytes(since=since) - dp_bytes - clip_bytes - vote_bytes,
                        dp_comm_bytes=dp_bytes, clip_comm_bytes=clip_bytes)
         return loss.detach()
 
