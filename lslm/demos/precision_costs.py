@@ -12,8 +12,6 @@ The model, data and optimizer are :mod:`lslm.demos.precision_demo`'s (the serial
 
 from __future__ import annotations
 
-import statistics
-import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -21,6 +19,8 @@ import torch
 from torch import nn
 
 from lslm.demos.precision_demo import _DTYPES, _batches, _config, _factory
+from lslm.harness.bench_runner import Timing, Variant, run_variants
+from lslm.harness.timer import StepTimer
 from lslm.metrics.activations import ActivationMemory
 from lslm.precision import CONVENTIONS, PRECISION_MODES, bytes_per_param, prepare_precision
 from lslm.recipes.train import build_model
@@ -110,40 +110,42 @@ def activation_bytes_by_mode(batch_size: int = 8, seed: int = 0, with_loss: bool
     return rows
 
 
+def _ratios(times: dict[str, Timing], reference: str) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(median ratio to ``reference``, ratio of the fastest rounds, median seconds), per variant."""
+    med = {k: t.median() for k, t in times.items()}
+    ratio = {k: med[k] / med[reference] for k in times}
+    minima = {k: min(t.total_s) / min(times[reference].total_s) for k, t in times.items()}
+    return ratio, minima, med
+
+
 def mode_step_time_ratios(repeats: int = 7, warmup: int = 2, modes: tuple[str, ...] = ("fp32", "fp16", "bf16"),
                           batch_size: int = 8, seed: int = 0, **model: Any) -> dict[str, Any]:
     """Median training-step time of each lslm mode (forward, backward, clip, AdamW), as ratios to fp32.
 
-    Modes are interleaved (one step of each in turn, ``warmup`` rounds untimed, then
-    ``repeats``), so a slow spell of a shared machine hits them alike. Returns ``ratio_to_fp32``
-    (of the medians) per mode, ``ratio_of_minima`` (the least disturbed steps: a check on the
-    medians when other jobs share the cores), ``median_s`` and ``repeats``.
+    Timed by the bench runner (:func:`lslm.harness.bench_runner.run_variants`, in this one
+    process): modes interleaved in rotating order, ``warmup`` rounds untimed, then ``repeats``,
+    so a slow spell of a shared machine hits them alike. Returns ``ratio_to_fp32`` (of the
+    medians) per mode, ``ratio_of_minima`` (the least disturbed steps: a check on the medians
+    when other jobs share the cores), ``median_s`` and ``repeats``.
     """
     if "fp32" not in modes or not set(modes) <= set(PRECISION_MODES):
         raise ValueError(f"modes must be among {PRECISION_MODES} and include 'fp32' (the reference), got {modes}")
     cfg = _config(batch_size, seed, model, minimum=0, warmup=warmup)
     _config(batch_size, seed, {}, repeats=repeats)  # >= 1: a median needs a timed step
     x, y = _batches(cfg, 1)[0]
-    setups = {m: prepare_precision(build_model(cfg), m, _factory(cfg)) for m in modes}
-    times: dict[str, list[float]] = {m: [] for m in modes}
 
-    def one_step(s: Any) -> float:
-        t0 = time.perf_counter()
-        s.optimizer.zero_grad()
-        s.optimizer.backward(s.model(x, y)[1])
-        s.optimizer.step(max_grad_norm=cfg.grad_clip)
-        return time.perf_counter() - t0
+    def variant(mode: str) -> Variant:
+        s = prepare_precision(build_model(cfg), mode, _factory(cfg))
 
-    for r in range(warmup + repeats):
-        for m in modes:
-            dt = one_step(setups[m])
-            if r >= warmup:
-                times[m].append(dt)
-    med = {m: statistics.median(t) for m, t in times.items()}
-    return {"ratio_to_fp32": {m: med[m] / med["fp32"] for m in modes},
-            "ratio_of_minima": {m: min(times[m]) / min(times["fp32"]) for m in modes}, "median_s": med,
-            "repeats": repeats}
+        def one_step(timer: StepTimer, _: int) -> None:
+            s.optimizer.zero_grad()
+            s.optimizer.backward(s.model(x, y)[1])
+            s.optimizer.step(max_grad_norm=cfg.grad_clip)
+        return Variant(mode, one_step)
 
+    times = run_variants([variant(m) for m in modes], steps=repeats, warmup=warmup)
+    ratio, minima, med = _ratios(times, "fp32")
+    return {"ratio_to_fp32": ratio, "ratio_of_minima": minima, "median_s": med, "repeats": repeats}
 
 
 def matmul_time_ratios(n: int = 256, repeats: int = 9, dtypes: tuple[str, ...] = ("fp32", "fp16", "bf16"),
@@ -151,7 +153,8 @@ def matmul_time_ratios(n: int = 256, repeats: int = 9, dtypes: tuple[str, ...] =
     """Median time of one ``n x n`` matmul on the CPU in each dtype, as ratios to fp32 (interleaved, after a warm-up).
 
     The matmul alone, without the rest of a training step: how fast this CPU's kernels for each
-    format are. Returns ``ratio_to_fp32`` per dtype, ``median_s`` and ``n``.
+    format are. Timed by the bench runner as :func:`mode_step_time_ratios` is. Returns
+    ``ratio_to_fp32`` per dtype, ``median_s`` and ``n``.
     """
     if not isinstance(n, int) or n < 1 or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"n and repeats must be ints >= 1, got n={n!r}, repeats={repeats!r}")
@@ -160,13 +163,11 @@ def matmul_time_ratios(n: int = 256, repeats: int = 9, dtypes: tuple[str, ...] =
     g = torch.Generator().manual_seed(seed)
     a32 = torch.randn(n, n, generator=g)  # lslm: cpu-ok (measures this CPU's matmul kernels)
     b32 = torch.randn(n, n, generator=g)  # lslm: cpu-ok (measures this CPU's matmul kernels)
-    pairs = {d: (a32.to(_DTYPES.get(d, torch.float32)), b32.to(_DTYPES.get(d, torch.float32))) for d in dtypes}
-    times: dict[str, list[float]] = {d: [] for d in dtypes}
-    for r in range(repeats + 1):  # round 0 warms up each kernel
-        for d, (a, b) in pairs.items():
-            t0 = time.perf_counter()
-            a @ b
-            if r:
-                times[d].append(time.perf_counter() - t0)
-    med = {d: statistics.median(t) for d, t in times.items()}
-    return {"ratio_to_fp32": {d: med[d] / med["fp32"] for d in dtypes}, "median_s": med, "n": n}
+
+    def variant(d: str) -> Variant:
+        a, b = (t.to(_DTYPES.get(d, torch.float32)) for t in (a32, b32))
+        return Variant(d, lambda timer, _: a @ b)
+
+    times = run_variants([variant(d) for d in dtypes], steps=repeats, warmup=1)
+    ratio, _, med = _ratios(times, "fp32")
+    return {"ratio_to_fp32": ratio, "median_s": med, "n": n}
