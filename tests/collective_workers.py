@@ -176,6 +176,10 @@ def _sweep(comm: Comm, ref: Comm, group: Any, lengths: list[int], seed0: int, de
             if ours is not None and not _same(ours, expected, tol):
                 mismatches.append(f"{name} {dtype} numel={numel} op={op} root={root} normal={normal} group={gv.ranks}:"
                                   f" got {ours[:8].tolist()} expected {expected[:8].tolist()}")
+            # Every send and receive was waited for (deferred send waits included) before the call returned.
+            unwaited = [rec for rec in comm.ledger.records if rec.completion_s is None]
+            if unwaited:
+                mismatches.append(f"{name} numel={numel}: {len(unwaited)} operations never waited for")
             volumes.append([base, n, r, numel, DTYPES[dtype].itemsize, gv.ranks.index(root), *_ledger_bytes(comm)])
     return mismatches, volumes
 

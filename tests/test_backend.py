@@ -94,6 +94,9 @@ class _Done:
             self.entry[2] = True
         return True
 
+    def is_completed(self) -> bool:
+        return True
+
 
 class RecordingComm(Comm):
     """A Comm whose p2p calls move nothing: they record devices and what is outstanding, per peer."""

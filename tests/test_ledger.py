@@ -147,6 +147,47 @@ def test_a_paused_ledger_counts_what_it_skipped() -> None:
     assert ledger.calls() == 0 and ledger.dropped == 0
 
 
+def test_a_disabled_ledger_hands_back_torchs_p2p_works_and_counts_them() -> None:
+    from lslm.runtime.completion import TimedWork
+
+    with fake_world(0, 2):
+        comm = Comm()
+        comm.ledger.enabled = False
+        x = torch.ones(4)
+        works = comm.batch_isend_irecv([dist.P2POp(dist.isend, x, 1), dist.P2POp(dist.irecv, torch.empty(4), 1)])
+        works.append(comm.isend(x, 1))
+        works.append(comm.irecv(torch.empty(4), 1))
+        for w in works:
+            assert not isinstance(w, TimedWork)
+            w.wait()
+        assert comm.ledger.calls() == 0 and comm.ledger.dropped == 4
+        with pytest.raises(ValueError, match="contiguous"):
+            comm.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(4, 2).t(), 1)])
+        comm.ledger.enabled = True
+        comm.isend(x, 1).wait()
+        assert comm.ledger.calls() == 1 and comm.ledger.records[0].completion_s is not None
+
+
+def test_scratch_buffers_are_reused_per_slot_thread_and_dtype_and_grow() -> None:
+    comm = Comm()
+    a = comm.scratch(100, torch.float32, "cpu")
+    assert a.shape == (100,) and a.dtype == torch.float32
+    assert comm.scratch(60, torch.float32, "cpu").data_ptr() == a.data_ptr()  # a smaller request: same memory
+    b = comm.scratch(100, torch.float32, "cpu", slot=1)
+    assert b.data_ptr() != a.data_ptr()  # two buffers in flight never share
+    c = comm.scratch(100, torch.float64, "cpu")
+    assert c.dtype == torch.float64 and comm.scratch_bytes() == 100 * 4 * 2 + 100 * 8
+    bigger = comm.scratch(1000, torch.float32, "cpu")
+    assert bigger.numel() == 1000 and comm.scratch_bytes() == 1000 * 4 + 100 * 4 + 100 * 8
+    other: list[torch.Tensor] = []
+    t = threading.Thread(target=lambda: other.append(comm.scratch(1000, torch.float32, "cpu")))
+    t.start()
+    t.join()
+    assert other[0].data_ptr() != bigger.data_ptr()  # autograd's thread and the main one never share either
+    comm.free_scratch()
+    assert comm.scratch_bytes() == 0
+
+
 def test_comm_records_axis_label_and_times_in_a_fake_world() -> None:
     with fake_world(1, 4):
         bare = Comm()

@@ -148,6 +148,25 @@ def wait_all(pending: Sequence[tuple[Any, int, str]], gv: GroupView, name: str) 
             raise _peer_error(gv, name, peer, kind, exc) from exc
 
 
+Pending = tuple[Any, int, str]  # (work, peer group rank, "send" | "recv"), as post_pairs returns them
+
+
+def split_sends(pending: Sequence[Pending]) -> tuple[list[Pending], list[Pending]]:
+    """``(receives, sends)`` of a :func:`post_pairs` result (a coalesced NCCL batch counts as a receive)."""
+    return [p for p in pending if p[2] != "send"], [p for p in pending if p[2] == "send"]
+
+
+def reap(pending: list[Pending], gv: GroupView, name: str) -> list[Pending]:
+    """Wait for the handles in ``pending`` that have already completed (no blocking); return the others.
+
+    Lets a loop that defers its send waits stamp each send's completion close to when it
+    happened (the ledger's overlap figures read those times) without ever sleeping on one.
+    """
+    done = [p for p in pending if p[0].is_completed()]
+    wait_all(done, gv, name)
+    return [p for p in pending if p not in done]
+
+
 def _peer_error(gv: GroupView, name: str, peer: int, kind: str, exc: BaseException) -> CollectiveError:
     direction = "to" if kind == "send" else "from"
     return CollectiveError(f"{name}: {gv.me()} could not {kind} {direction} rank {gv.glob(peer)} "

@@ -17,6 +17,7 @@ import torch
 from lslm.collectives.barrier import agree
 from lslm.collectives.p2p import (
     GroupView,
+    Pending,
     as_flat,
     check_op,
     chunk_bounds,
@@ -24,7 +25,9 @@ from lslm.collectives.p2p import (
     exchange,
     group_view,
     post_pairs,
+    reap,
     resolve,
+    split_sends,
     wait_all,
     write_back,
 )
@@ -53,17 +56,26 @@ def ring_all_gather_flat(comm: Comm, gv: GroupView, flat: torch.Tensor, bounds: 
     Step s: send chunk r-s (received in the step before, or our own at s=0) to the
     right, receive chunk r-s-1 from the left straight into its place - no buffer.
     With ``piece``, each chunk travels as several messages of at most ``piece`` elements.
+
+    A step waits for its receive only: what step s+1 sends is what step s received. The
+    sends are waited for at the end (those already done as soon as they are seen done),
+    because no later step writes into a chunk that an earlier step sent. On
+    oversubscribed CPUs each wait that finds its peer not yet scheduled costs a context
+    switch, and the send of a step is often still draining when its receive is complete.
     """
     n, r = gv.size, gv.rank
-    if piece is None:
-        for s in range(n - 1):
-            exchange(comm, gv, _piece(flat, bounds, r - s), r + 1, _piece(flat, bounds, r - s - 1), r - 1, name)
-        return
+    sends: list[Pending] = []
     for s in range(n - 1):
-        # One batch per step: every piece's receive and send progress together (one NCCL group).
-        items = [("recv", flat[a:b], r - 1) for a, b in _pieces(bounds, r - s - 1, piece)]
-        items += [("send", flat[a:b], r + 1) for a, b in _pieces(bounds, r - s, piece)]
-        wait_all(post_pairs(comm, gv, items, name), gv, name)
+        if piece is None:
+            items = [("recv", _piece(flat, bounds, r - s - 1), r - 1), ("send", _piece(flat, bounds, r - s), r + 1)]
+        else:
+            # One batch per step: every piece's receive and send progress together (one NCCL group).
+            items = [("recv", flat[a:b], r - 1) for a, b in _pieces(bounds, r - s - 1, piece)]
+            items += [("send", flat[a:b], r + 1) for a, b in _pieces(bounds, r - s, piece)]
+        recvs, posted = split_sends(post_pairs(comm, gv, [it for it in items if it[1].numel() > 0], name))
+        wait_all(recvs, gv, name)
+        sends = reap(sends + posted, gv, name)
+    wait_all(sends, gv, name)
 
 
 def ring_reduce_scatter_flat(comm: Comm, gv: GroupView, flat: torch.Tensor, bounds: list[tuple[int, int]], op: str,
@@ -80,14 +92,21 @@ def ring_reduce_scatter_flat(comm: Comm, gv: GroupView, flat: torch.Tensor, boun
     posted together, one ``batch_isend_irecv``, and piece j+1's pair is posted before
     piece j is waited for and folded in: received pieces go into two piece-sized
     buffers used in turn, so while piece j is being folded in, piece j+1 is already
-    arriving - the reduction hides behind the transfer, and the buffers stay small and
-    warm in cache (a fresh chunk-sized buffer costs page faults on every call).
+    arriving - the reduction hides behind the transfer. The buffers are the Comm's
+    :meth:`~lslm.runtime.ledger.Comm.scratch`, kept between calls (a fresh one costs page
+    faults on every call).
     No deadlock, on gloo or NCCL: every rank posts its pairs in the same piece order,
     pair j of a rank sends exactly what its right neighbour's pair j receives (the
     chunk one rank sends is the chunk its neighbour receives, cut the same way), and
     a rank only waits for pair j after posting pair j+1, which needs nothing but its
     own progress. In a 2-rank ring left and right are the same peer, which is why the
     pairs must be batched (see :func:`~lslm.collectives.p2p.post_pairs`).
+
+    Only receives are waited for inside the loop (a fold needs its piece; a send needs
+    the fold before it, which ran on this thread). Sends are waited for when seen done
+    and all of them before returning: no step writes into a chunk an earlier step sent
+    (step s sends chunk r-s-1 and folds into chunk r-s-2), but the caller's all-gather
+    receives into those chunks.
     """
     n, r = gv.size, gv.rank
     if n == 1 or flat.numel() == 0:
@@ -95,7 +114,8 @@ def ring_reduce_scatter_flat(comm: Comm, gv: GroupView, flat: torch.Tensor, boun
     biggest = max(b - a for a, b in bounds)
     piece = biggest if piece is None else max(1, min(piece, biggest))
     # Two buffers only when some chunk has several pieces (one is enough otherwise).
-    bufs = [torch.empty(piece, dtype=flat.dtype, device=flat.device) for _ in range(1 if piece == biggest else 2)]
+    bufs = [comm.scratch(piece, flat.dtype, flat.device, slot) for slot in range(1 if piece == biggest else 2)]
+    sends: list[Pending] = []
     for s in range(n - 1):
         incoming, outgoing = _pieces(bounds, r - s - 2, piece), _pieces(bounds, r - s - 1, piece)
         steps = max(len(incoming), len(outgoing))
@@ -115,10 +135,14 @@ def ring_reduce_scatter_flat(comm: Comm, gv: GroupView, flat: torch.Tensor, boun
         for j in range(steps):
             if j + 1 < steps:
                 pending[j + 1] = post_pair(j + 1)
-            wait_all(pending.pop(j), gv, name)
+            recvs, posted = split_sends(pending.pop(j))
+            wait_all(recvs, gv, name)
+            sends = reap(sends + posted, gv, name)
             if j < len(incoming):
                 a, b = incoming[j]
                 combine_(flat[a:b], bufs[j % len(bufs)][: b - a], op)
+    # The caller may write into the chunks sent here (the all-gather receives into them).
+    wait_all(sends, gv, name)
 
 
 def all_gather_ring(output: torch.Tensor, input: torch.Tensor, comm: Comm | None = None, group: Any = None, *,
@@ -186,8 +210,7 @@ def reduce_scatter_ring(output: torch.Tensor, input: torch.Tensor, op: str = "su
         out.copy_(src)
     else:
         size = max(b - a for a, b in bounds)
-        bufs = (torch.empty(size, dtype=src.dtype, device=src.device),
-                torch.empty(size, dtype=src.dtype, device=src.device))
+        bufs = (comm.scratch(size, src.dtype, src.device, 0), comm.scratch(size, src.dtype, src.device, 1))
         sending = _piece(src, bounds, r - 1)  # step 0 sends our raw input chunk r-1
         for s in range(n - 1):
             chunk = (r - s - 2) % n

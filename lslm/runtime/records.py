@@ -109,6 +109,11 @@ class CommLedger:
             else:
                 self.dropped += 1
 
+    def drop(self, count: int) -> None:
+        """Count ``count`` calls made while not ``enabled`` (what :meth:`record` does for one record)."""
+        with self._lock:
+            self.dropped += count
+
     @contextmanager
     def paused(self) -> Iterator[CommLedger]:
         """``with ledger.paused():`` records nothing inside (counted in ``dropped``); restores ``enabled`` after."""
