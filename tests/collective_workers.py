@@ -24,6 +24,7 @@ from lslm.collectives import (
     chunk_bounds,
     group_view,
 )
+from lslm.collectives.p2p import posts_ahead
 from lslm.runtime import Comm, init_distributed
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
@@ -31,8 +32,14 @@ TORCH_OPS = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN, "pro
 ROOTED = ("broadcast", "reduce", "scatter", "gather")
 # Extra settings tested as if they were algorithms: the ring all-reduce cut into 2-element pieces
 # (several pieces per chunk even on tiny tensors, uneven last pieces included).
+# On gloo the rings post receives ahead by default (NCCL: step pairs); the [paired ...] variants
+# run the step-pair path on gloo too, so both are checked against torch here.
 VARIANTS = {"all_reduce_ring[pipelined]": ("all_reduce_ring", {"pipeline_bytes": 8}),
-            "all_reduce_ring[whole chunks]": ("all_reduce_ring", {"pipeline_bytes": None})}
+            "all_reduce_ring[whole chunks]": ("all_reduce_ring", {"pipeline_bytes": None}),
+            "all_reduce_ring[paired, pipelined]": ("all_reduce_ring", {"pipeline_bytes": 8, "post_ahead": False}),
+            "all_reduce_ring[paired, whole chunks]": ("all_reduce_ring", {"pipeline_bytes": None,
+                                                                          "post_ahead": False}),
+            "all_gather_ring[paired]": ("all_gather_ring", {"post_ahead": False})}
 
 
 def _data(seed: int, numel: int, dtype: torch.dtype, op: str = "sum", normal: bool = False,
@@ -88,7 +95,7 @@ def _run_case(name: str, x: torch.Tensor, root: int, op: str, group: Any, comm: 
         # On other ranks the input must be left untouched (torch's reduce may scribble on it).
         return ours, expected if gv.ranks[r] == root else x
     if kind == "all_gather":
-        ours = algo.fn(x.new_empty(n * x.numel()), x.clone(), comm=comm, group=group)
+        ours = algo.fn(x.new_empty(n * x.numel()), x.clone(), comm=comm, group=group, **extra)
         expected = x.new_empty(n * x.numel())
         if x.numel():
             ref.all_gather_into_tensor(expected, x.clone(), group=group)
@@ -241,6 +248,8 @@ def collectives_vs_torch(lengths: list[int], subgroups: bool = False) -> dict[st
         comm, ref, dev = Comm(device=ctx.device), Comm(device=ctx.device), ctx.device
         start = time.perf_counter()
         validation = _validation_failures(comm, ctx.world_size, ctx.rank, dev)
+        if posts_ahead(group_view(None), None) != (ctx.backend == "gloo"):
+            validation.append(f"rings post receives ahead on {ctx.backend}: only gloo may")
         mismatches, volumes = _sweep(comm, ref, None, lengths, 0, dev)
         mismatches += _non_contiguous(comm, ref, dev)
         groups: list[list[int]] = []

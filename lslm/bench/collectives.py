@@ -249,9 +249,11 @@ def run(nprocs: tuple[int, ...] = (2, 4), sizes: tuple[int, ...] = DEFAULT_SIZES
         print_table(results, report)
         report.write(results, plot)
         if all("all_reduce" in {r["kind"] for r in v["rows"]} for v in results.values()):
-            ratios = ", ".join(f"{n} processes {ring_to_native_ratio(v['rows']):.2f}" for n, v in results.items())
-            biggest = max(sizes) / MIB
-            report.print(f"ring all-reduce / torch all_reduce bus bandwidth at {biggest:g} MiB: {ratios}")
+            # One line per size from 16 MiB up (the bandwidth-bound sizes), else the largest size.
+            for size in [z for z in sorted(set(sizes)) if z >= 16 * MIB] or [max(sizes)]:
+                ratios = ", ".join(f"{n} processes {ring_to_native_ratio(v['rows'], _numel(size, n) * 4):.2f}"
+                                   for n, v in results.items())
+                report.print(f"ring all-reduce / torch all_reduce bus bandwidth at {size / MIB:g} MiB: {ratios}")
     return results
 
 

@@ -22,7 +22,17 @@ import torch
 
 from lslm.collectives.barrier import agree
 from lslm.collectives.broadcast import broadcast_tree_flat
-from lslm.collectives.p2p import as_flat, check_op, chunk_bounds, combine_, exchange, group_view, resolve, write_back
+from lslm.collectives.p2p import (
+    as_flat,
+    check_op,
+    chunk_bounds,
+    combine_,
+    exchange,
+    group_view,
+    posts_ahead,
+    resolve,
+    write_back,
+)
 from lslm.collectives.reduce import reduce_tree_flat
 from lslm.collectives.ring import ring_all_gather_flat, ring_reduce_scatter_flat
 from lslm.runtime.ledger import Comm
@@ -115,7 +125,8 @@ PIPELINE_BYTES = 4 << 20  # measured on gloo/CPU: 4-8 MiB pieces beat both whole
 
 
 def all_reduce_ring(tensor: torch.Tensor, op: str = "sum", comm: Comm | None = None, group: Any = None, *,
-                    check: bool = True, pipeline_bytes: int | None = PIPELINE_BYTES) -> torch.Tensor:
+                    check: bool = True, pipeline_bytes: int | None = PIPELINE_BYTES,
+                    post_ahead: bool | None = None) -> torch.Tensor:
     """Ring all-reduce (Baidu / Patarasuk-Yuan) of ``tensor``, in place; returns ``tensor``.
 
     The flat tensor is cut into n chunks by the array_split rule (any N works). A
@@ -135,6 +146,10 @@ def all_reduce_ring(tensor: torch.Tensor, op: str = "sum", comm: Comm | None = N
     ~1x of ``torch.distributed.all_reduce``; it changes the number of messages, not
     the bytes.
 
+    ``post_ahead``: post receives ahead of the data, one message at a time, instead of
+    each step's receive and send together (``None``: on gloo only; NCCL would deadlock,
+    see :func:`~lslm.collectives.p2p.posts_ahead`). Same messages, same bytes.
+
     Cost with P pieces per chunk: 2(n-1) P alpha + 2(n-1)/n N beta + (n-1)/n N gamma,
     the gamma term mostly hidden behind beta - the bandwidth term is almost
     independent of n. Bytes, chunk sizes c_i: rank r sends 2N - c_r - c_(r+1) and
@@ -150,7 +165,8 @@ def all_reduce_ring(tensor: torch.Tensor, op: str = "sum", comm: Comm | None = N
     if gv.size > 1:
         bounds = chunk_bounds(flat.numel(), gv.size)
         piece = None if pipeline_bytes is None else max(1, pipeline_bytes // flat.element_size())
-        ring_reduce_scatter_flat(comm, gv, flat, bounds, op, "all_reduce_ring", piece)
-        ring_all_gather_flat(comm, gv, flat, bounds, "all_reduce_ring", piece)
+        ahead = posts_ahead(gv, post_ahead)
+        ring_reduce_scatter_flat(comm, gv, flat, bounds, op, "all_reduce_ring", piece, ahead)
+        ring_all_gather_flat(comm, gv, flat, bounds, "all_reduce_ring", piece, ahead)
     write_back(tensor, flat)
     return tensor

@@ -87,6 +87,22 @@ def group_view(group: Any = None) -> GroupView:
     return GroupView(group=group, ranks=ranks, rank=rank)
 
 
+def posts_ahead(gv: GroupView, post_ahead: bool | None) -> bool:
+    """Whether a ring may post its receives ahead of its sends, one by one (``None``: only on gloo).
+
+    gloo runs every isend/irecv on its own, so a receive posted before the data leaves
+    lets the transport read it straight into place; NCCL runs separately posted p2p
+    operations in order on one stream, where a receive posted ahead of the matching
+    send *of the same rank* can wait forever (see :func:`post_pairs`), so there the
+    rings post each step's receive and send together.
+    """
+    if post_ahead is not None:
+        if not isinstance(post_ahead, bool):
+            raise ValueError(f"post_ahead must be True, False or None (auto: gloo only), got {post_ahead!r}")
+        return post_ahead
+    return str(dist.get_backend(gv.group)) == "gloo"
+
+
 def resolve(comm: Comm | None) -> Comm:
     """The caller's Comm, or a fresh one (its own ledger then records this call, and only this call)."""
     return comm if comm is not None else Comm()
