@@ -1,6 +1,6 @@
 """Shared plumbing for collectives built from point-to-point messages.
 
-Everything in :mod:`lslm.collectives` talks through four helpers defined here:
+Everything in :mod:`lslm.collectives` talks through the helpers defined here:
 
 * :func:`group_view` - this rank's place in a process group and the *global* rank
   of every member (``Comm.send`` wants global ranks; algorithms think in group ranks).
@@ -8,6 +8,9 @@ Everything in :mod:`lslm.collectives` talks through four helpers defined here:
   ``batch_isend_irecv``), then wait for both. Because neither call blocks and they
   form one NCCL group, two ranks that exchange with each other (or a whole ring that
   shifts data one step) cannot deadlock, whatever the message size and backend.
+  On gloo the rings may instead post receives ahead of the data, one message at a
+  time (:func:`posts_ahead`); sends that are not needed yet are waited for later
+  (:func:`split_sends`, :func:`reap`), but always before the call returns.
 * :func:`chunk_sizes` / :func:`chunk_bounds` - the ``numpy.array_split`` rule: ``N``
   elements over ``n`` ranks, the first ``N % n`` chunks one element longer. Every
   rank computes the same boundaries, so no sizes ever travel on the wire.
