@@ -41,7 +41,9 @@ KIB, MIB = 1024, 1024 * 1024
 DEFAULT_SIZES = (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB)
 
 LSLM_ALGORITHMS = {
-    "all_reduce": ("all_reduce_ring", "all_reduce_tree", "all_reduce_reduce_broadcast"),
+    # [paired]: the ring posting each step's receive and send together, as on NCCL (on gloo the
+    # plain ring posts receives ahead; on NCCL the two are the same code).
+    "all_reduce": ("all_reduce_ring", "all_reduce_ring[paired]", "all_reduce_tree", "all_reduce_reduce_broadcast"),
     "broadcast": ("broadcast_tree", "broadcast_flat"),
     "reduce": ("reduce_tree",),
     "all_gather": ("all_gather_ring",),
@@ -74,7 +76,7 @@ def cost_coefficients(name: str, n: int) -> tuple[float, float, float]:
         "all_reduce_tree": (rd, rd, k),
         "all_reduce_ring": (2 * (n - 1), 2 * f, f),
     }
-    return table[name]
+    return table[name.split("[")[0]]  # a variant ("name[...]") has its algorithm's critical path
 
 
 def _numel(size: int, n: int) -> int:
@@ -99,6 +101,8 @@ def _case(kind: str, name: str, size: int, n: int, rank: int, comm: Any,
     x = randn(numel)
     native = name.startswith("torch.")
     if kind == "all_reduce":
+        if name == "all_reduce_ring[paired]":
+            return lambda: C.all_reduce_ring(x, comm=comm, check=False, post_ahead=False)
         return (lambda: dist.all_reduce(x)) if native else (lambda: getattr(C, name)(x, comm=comm, check=False))
     if kind == "broadcast":
         return (lambda: dist.broadcast(x, src=0)) if native else (
@@ -198,14 +202,15 @@ def model_time(fit: dict[str, float], name: str, n: int, size: int) -> float:
     return a * fit["alpha_s"] + b * size * fit["beta_s_per_byte"] + c * size * fit["gamma_s_per_byte"]
 
 
-def ring_to_native_ratio(rows: list[dict[str, Any]], size: int | None = None) -> float:
-    """busbw of lslm ring all-reduce over torch's all-reduce at ``size`` (default: the largest)."""
+def ring_to_native_ratio(rows: list[dict[str, Any]], size: int | None = None, name: str = "all_reduce_ring") -> float:
+    """busbw of lslm ring all-reduce (or the all-reduce ``name``) over torch's all-reduce at ``size`` (default: the
+    largest)."""
     ar = {r["algorithm"]: r for r in rows if r["kind"] == "all_reduce" and (size is None or r["bytes"] == size)}
     if size is None:
         biggest = max(r["bytes"] for r in rows if r["kind"] == "all_reduce")
         ar = {r["algorithm"]: r for r in rows if r["kind"] == "all_reduce" and r["bytes"] == biggest}
     native = ar["torch.all_reduce"]["busbw_GBps"]
-    return ar["all_reduce_ring"]["busbw_GBps"] / native if native else float("nan")  # one rank: no bus traffic
+    return ar[name]["busbw_GBps"] / native if native else float("nan")  # one rank: no bus traffic
 
 
 def plot(results: dict[int, dict[str, Any]], path: Path) -> None:
@@ -251,8 +256,10 @@ def run(nprocs: tuple[int, ...] = (2, 4), sizes: tuple[int, ...] = DEFAULT_SIZES
         if all("all_reduce" in {r["kind"] for r in v["rows"]} for v in results.values()):
             # One line per size from 16 MiB up (the bandwidth-bound sizes), else the largest size.
             for size in [z for z in sorted(set(sizes)) if z >= 16 * MIB] or [max(sizes)]:
-                ratios = ", ".join(f"{n} processes {ring_to_native_ratio(v['rows'], _numel(size, n) * 4):.2f}"
-                                   for n, v in results.items())
+                ratios = ", ".join(
+                    f"{n} processes {ring_to_native_ratio(v['rows'], _numel(size, n) * 4):.2f} (paired steps "
+                    f"{ring_to_native_ratio(v['rows'], _numel(size, n) * 4, 'all_reduce_ring[paired]'):.2f})"
+                    for n, v in results.items())
                 report.print(f"ring all-reduce / torch all_reduce bus bandwidth at {size / MIB:g} MiB: {ratios}")
     return results
 

@@ -164,11 +164,11 @@ def ring_reduce_scatter_flat(comm: Comm, gv: GroupView, flat: torch.Tensor, boun
     ``ahead`` (gloo only, see :func:`~lslm.collectives.p2p.posts_ahead`): messages are
     posted one by one, each receive before the previous piece is folded, so the data
     finds its buffer waiting instead of queuing in the transport. Step 0's sends (raw
-    input) go out at once; every later piece is sent the moment its fold is done.
-    Measured on 4 gloo processes sharing 2 cores: ~0.99x of ``torch.distributed.all_reduce``
-    at 16 MiB against ~0.92x posting each step's pair together (with the same deferred
-    send waits), and less kernel time copying: the receive no longer waits in a socket
-    buffer for its destination.
+    input) go out at once; every later piece is sent the moment its fold is done. On 4
+    gloo processes sharing 2 cores, back-to-back 16 MiB all-reduces ran a few percent
+    faster this way than with step pairs; timed one call at a time (``lslm bench
+    collectives``: ``all_reduce_ring`` next to ``all_reduce_ring[paired]``) the two differ
+    by less than that machine's run-to-run spread.
     """
     n, r = gv.size, gv.rank
     if n == 1 or flat.numel() == 0:
