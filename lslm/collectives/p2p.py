@@ -181,9 +181,12 @@ def reap(pending: list[Pending], gv: GroupView, name: str) -> list[Pending]:
     Lets a loop that defers its send waits stamp each send's completion close to when it
     happened (the ledger's overlap figures read those times) without ever sleeping on one.
     """
-    done = [p for p in pending if p[0].is_completed()]
+    done: list[Pending] = []
+    rest: list[Pending] = []
+    for p in pending:
+        (done if p[0].is_completed() else rest).append(p)
     wait_all(done, gv, name)
-    return [p for p in pending if p not in done]
+    return rest
 
 
 def _peer_error(gv: GroupView, name: str, peer: int, kind: str, exc: BaseException) -> CollectiveError:

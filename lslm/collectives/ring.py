@@ -119,13 +119,10 @@ def ring_all_gather_flat(comm: Comm, gv: GroupView, flat: torch.Tensor, bounds: 
     n, r = gv.size, gv.rank
     sends: list[Pending] = []
     for s in range(n - 1):
-        if piece is None:
-            items = [("recv", _piece(flat, bounds, r - s - 1), r - 1), ("send", _piece(flat, bounds, r - s), r + 1)]
-        else:
-            # One batch per step: every piece's receive and send progress together (one NCCL group).
-            items = [("recv", flat[a:b], r - 1) for a, b in _pieces(bounds, r - s - 1, piece)]
-            items += [("send", flat[a:b], r + 1) for a, b in _pieces(bounds, r - s, piece)]
-        recvs, posted = split_sends(post_pairs(comm, gv, [it for it in items if it[1].numel() > 0], name))
+        # One batch per step: every piece's receive and send progress together (one NCCL group).
+        items = [("recv", flat[a:b], r - 1) for a, b in _cuts(bounds, r - s - 1, piece)]
+        items += [("send", flat[a:b], r + 1) for a, b in _cuts(bounds, r - s, piece)]
+        recvs, posted = split_sends(post_pairs(comm, gv, items, name))
         wait_all(recvs, gv, name)
         sends = reap(sends + posted, gv, name)
     wait_all(sends, gv, name)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lslm.demos.precision_demo import _DTYPES, _batches, _config, _factory
+from lslm.demos.precision_demo import HALF_DTYPES, demo_batches, demo_config, optimizer_factory
 from lslm.harness.bench_runner import Timing, Variant, run_variants
 from lslm.harness.timer import StepTimer
 from lslm.metrics.activations import ActivationMemory
@@ -46,11 +46,11 @@ def model_state_bytes_by_convention(batch_size: int = 8, seed: int = 0, **model:
     the step, before the next ``zero_grad`` (gradients alive, as at the step's peak); Adam's
     4-byte ``step`` counter per parameter tensor is left out (it does not scale with Ψ).
     """
-    cfg = _config(batch_size, seed, model)
-    x, y = _batches(cfg, 1)[0]
+    cfg = demo_config(batch_size, seed, model)
+    x, y = demo_batches(cfg, 1)[0]
     rows = []
     for name, (mode, kw) in CONVENTION_SETUPS.items():
-        setup = prepare_precision(build_model(cfg), mode, _factory(cfg), **kw)
+        setup = prepare_precision(build_model(cfg), mode, optimizer_factory(cfg), **kw)
         setup.optimizer.zero_grad()
         setup.optimizer.backward(setup.model(x, y)[1])
         setup.optimizer.step(max_grad_norm=cfg.grad_clip)
@@ -95,11 +95,11 @@ def activation_bytes_by_mode(batch_size: int = 8, seed: int = 0, with_loss: bool
     ``with_loss``: include the loss (the model's fp32 logits and cross-entropy's fp32
     log-softmax) or stop at the logits.
     """
-    cfg = _config(batch_size, seed, model)
-    x, y = _batches(cfg, 1)[0]
+    cfg = demo_config(batch_size, seed, model)
+    x, y = demo_batches(cfg, 1)[0]
     rows = []
     for mode in ("fp32", "fp16", "bf16", "autocast bf16"):
-        gpt = build_model(cfg).to(_DTYPES.get(mode, torch.float32))
+        gpt = build_model(cfg).to(HALF_DTYPES.get(mode, torch.float32))
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if mode.startswith("autocast") else nullcontext()
         with _SavedByKind(gpt) as act, ctx:
             gpt(x, y if with_loss else None)
@@ -130,12 +130,12 @@ def mode_step_time_ratios(repeats: int = 7, warmup: int = 2, modes: tuple[str, .
     """
     if "fp32" not in modes or not set(modes) <= set(PRECISION_MODES):
         raise ValueError(f"modes must be among {PRECISION_MODES} and include 'fp32' (the reference), got {modes}")
-    cfg = _config(batch_size, seed, model, minimum=0, warmup=warmup)
-    _config(batch_size, seed, {}, repeats=repeats)  # >= 1: a median needs a timed step
-    x, y = _batches(cfg, 1)[0]
+    cfg = demo_config(batch_size, seed, model, minimum=0, warmup=warmup)
+    demo_config(batch_size, seed, {}, repeats=repeats)  # >= 1: a median needs a timed step
+    x, y = demo_batches(cfg, 1)[0]
 
     def variant(mode: str) -> Variant:
-        s = prepare_precision(build_model(cfg), mode, _factory(cfg))
+        s = prepare_precision(build_model(cfg), mode, optimizer_factory(cfg))
 
         def one_step(timer: StepTimer, _: int) -> None:
             s.optimizer.zero_grad()
@@ -165,7 +165,7 @@ def matmul_time_ratios(n: int = 256, repeats: int = 9, dtypes: tuple[str, ...] =
     b32 = torch.randn(n, n, generator=g)  # lslm: cpu-ok (measures this CPU's matmul kernels)
 
     def variant(d: str) -> Variant:
-        a, b = (t.to(_DTYPES.get(d, torch.float32)) for t in (a32, b32))
+        a, b = (t.to(HALF_DTYPES.get(d, torch.float32)) for t in (a32, b32))
         return Variant(d, lambda timer, _: a @ b)
 
     times = run_variants([variant(d) for d in dtypes], steps=repeats, warmup=1)

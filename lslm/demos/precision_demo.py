@@ -29,15 +29,16 @@ from lslm.precision import (
 from lslm.precision.formats import FORMATS
 from lslm.recipes.train import TrainConfig, adamw, build_model, data_stream
 
-__all__ = ["MODEL_FIELDS", "Blowup", "autocast_vs_lslm", "fp16_without_scaling", "gradients_of_gpt",
-           "min_scale_failure", "scaler_first_steps"]
+# HALF_DTYPES, demo_config, demo_batches and optimizer_factory are shared with lslm.demos.precision_costs.
+__all__ = ["HALF_DTYPES", "MODEL_FIELDS", "Blowup", "autocast_vs_lslm", "demo_batches", "demo_config",
+           "fp16_without_scaling", "gradients_of_gpt", "min_scale_failure", "optimizer_factory", "scaler_first_steps"]
 
 MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "dropout")
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _BATCHES: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
-def _config(batch_size: int, seed: int, model: dict[str, Any], minimum: int = 1, **counts: int) -> TrainConfig:
+def demo_config(batch_size: int, seed: int, model: dict[str, Any], minimum: int = 1, **counts: int) -> TrainConfig:
     """The baseline's settings with ``model`` overrides; ``counts`` (steps, ...) checked to be >= ``minimum``."""
     unknown = set(model) - set(MODEL_FIELDS)
     if unknown:
@@ -48,7 +49,7 @@ def _config(batch_size: int, seed: int, model: dict[str, Any], minimum: int = 1,
     return TrainConfig(batch_size=batch_size, seed=seed, **model)
 
 
-def _batches(cfg: TrainConfig, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def demo_batches(cfg: TrainConfig, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first ``n`` baseline batches of ``cfg`` (cached: every demo and mode sees the same data)."""
     key = (cfg.block_size, cfg.vocab_size, cfg.batch_size, cfg.seed)
     if len(_BATCHES.get(key, [])) < n:
@@ -57,7 +58,7 @@ def _batches(cfg: TrainConfig, n: int) -> list[tuple[torch.Tensor, torch.Tensor]
     return _BATCHES[key][:n]
 
 
-def _factory(cfg: TrainConfig) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+def optimizer_factory(cfg: TrainConfig) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
     """The baseline's AdamW (:func:`lslm.recipes.train.adamw`) over whatever list it is given (masters)."""
     return lambda params: adamw(params, cfg)
 
@@ -69,10 +70,10 @@ def _gradscaler_like(init_scale: float, growth_interval: int = 2000) -> dict[str
 
 def gradients_of_gpt(steps: int = 5, batch_size: int = 8, seed: int = 0, **model: Any) -> list[torch.Tensor]:
     """fp32 gradients (one tensor per parameter) of the baseline GPT after ``steps`` AdamW steps, on the next batch."""
-    cfg = _config(batch_size, seed, model, minimum=0, steps=steps)
+    cfg = demo_config(batch_size, seed, model, minimum=0, steps=steps)
     setup = _train_lslm(cfg, "fp32", steps)["setup"]
     setup.optimizer.zero_grad()
-    setup.optimizer.backward(setup.model(*_batches(cfg, steps + 1)[steps])[1])
+    setup.optimizer.backward(setup.model(*demo_batches(cfg, steps + 1)[steps])[1])
     return [p.grad.detach().clone() for p in setup.model.parameters()]
 
 
@@ -83,12 +84,13 @@ def _train_lslm(cfg: TrainConfig, mode: str, steps: int, *, loss_weight: float =
     gpt = build_model(cfg)
     if mode == "fp16" and scaler is None:
         # fp32 masters and main_grad as prepare_precision's fp16, but no scaler: no scaling, no overflow check.
-        mp = MixedPrecisionOptimizer(gpt, _factory(cfg), torch.float16, scaler=None)
+        mp = MixedPrecisionOptimizer(gpt, optimizer_factory(cfg), torch.float16, scaler=None)
         setup = PrecisionSetup("fp16", gpt, mp, None, torch.float16, "main_grad")
     else:
-        setup = prepare_precision(gpt, mode, _factory(cfg), **({} if scaler == "default" else {"scaler": scaler}))
+        extra = {} if scaler == "default" else {"scaler": scaler}
+        setup = prepare_precision(gpt, mode, optimizer_factory(cfg), **extra)
     out: dict[str, Any] = {"loss": [], "scale": [], "stepped": [], "setup": setup}
-    for x, y in _batches(cfg, steps):
+    for x, y in demo_batches(cfg, steps):
         setup.optimizer.zero_grad()
         loss = gpt(x, y)[1]
         setup.optimizer.backward(loss * loss_weight)
@@ -115,7 +117,7 @@ def fp16_without_scaling(steps: int = 10, loss_weight: float = 1.0, init_scale: 
     ``u · loss``, ``affects_loss`` (``|final_gap_u| > 2``, the bound a correctly scaled half
     run keeps) and ``summary`` (one line of the numbers).
     """
-    cfg = _config(batch_size, seed, model, steps=steps)
+    cfg = demo_config(batch_size, seed, model, steps=steps)
     if not loss_weight > 0:
         raise ValueError(f"loss_weight must be > 0 (1 / the number of accumulated micro-batches), got {loss_weight!r}")
     twin = GPT(cfg.model_config())
@@ -156,10 +158,10 @@ def fp16_without_scaling(steps: int = 10, loss_weight: float = 1.0, init_scale: 
 def _autocast_run(cfg: TrainConfig, dtype: torch.dtype, steps: int, init_scale: float) -> dict[str, Any]:
     """PyTorch's way: fp32 weights and AdamW, ``torch.autocast`` casts per op, GradScaler for fp16 only."""
     gpt = build_model(cfg)
-    opt = _factory(cfg)(list(gpt.parameters()))
+    opt = optimizer_factory(cfg)(list(gpt.parameters()))
     gs = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=dtype == torch.float16)
     out: dict[str, Any] = {"loss": [], "scale": [], "stepped": []}
-    for x, y in _batches(cfg, steps):
+    for x, y in demo_batches(cfg, steps):
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=dtype):
             loss = gpt(x, y)[1]
@@ -188,7 +190,7 @@ def scaler_first_steps(steps: int = 12, init_scale: float = 2.0**16, batch_size:
     largest power-of-two scale at which its final gradients fit in fp16; a run whose
     ``init_scale`` is at or below it never overflows, and only grows after 2000 clean steps.
     """
-    cfg = _config(batch_size, seed, model, steps=steps)
+    cfg = demo_config(batch_size, seed, model, steps=steps)
     grads: list[float] = []
 
     def probe(gpt: nn.Module, mp: Any, _: Any) -> None:
@@ -215,11 +217,12 @@ def autocast_vs_lslm(steps: int = 10, dtype: str = "fp16", init_scale: float = 2
     ``max_diff_u``: the largest ``|loss_a - loss_b| / (u · loss_fp32)`` over the steps for
     each pair (``u`` of ``dtype``).
     """
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {list(_DTYPES)} (the half format both runs compute in), got {dtype!r}")
-    cfg = _config(batch_size, seed, model, steps=steps)
+    if dtype not in HALF_DTYPES:
+        raise ValueError(f"dtype must be one of {list(HALF_DTYPES)} (the half format both runs compute in), "
+                         f"got {dtype!r}")
+    cfg = demo_config(batch_size, seed, model, steps=steps)
     scaler = {"scaler": _gradscaler_like(init_scale)} if dtype == "fp16" else {}
-    runs = {"fp32": _train_lslm(cfg, "fp32", steps), f"autocast {dtype}": _autocast_run(cfg, _DTYPES[dtype], steps,
+    runs = {"fp32": _train_lslm(cfg, "fp32", steps), f"autocast {dtype}": _autocast_run(cfg, HALF_DTYPES[dtype], steps,
                                                                                          init_scale),
             f"lslm {dtype}": _train_lslm(cfg, dtype, steps, **scaler)}
     for r in runs.values():
