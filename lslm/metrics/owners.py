@@ -6,11 +6,11 @@ activations, temporary buffers) with the two mixed-precision extras in between:
 
 ==================  ===============================================================
 ``parameters``      the model's parameters (fp16/bf16 in mixed precision)
-``gradients``       their ``.grad``
+``gradients``       their ``.grad``, or a gradient buffer in their own dtype (``main_grad``)
 ``master_weights``  fp32 copies the optimizer updates (parameters it holds that the
                     model does not); ZeRO counts them in its K = 12 "optimizer states"
 ``main_grads``      fp32 gradients of those copies (``master.grad``) or a Megatron-style
-                    ``param.main_grad`` accumulation buffer
+                    fp32 ``param.main_grad`` buffer of half-precision parameters
 ``optimizer_states`` what ``optimizer.state`` holds: Adam's ``exp_avg``, ``exp_avg_sq``
                     and ``step``, SGD's momentum buffer
 ``module_buffers``  ``model.buffers()`` (BatchNorm statistics, masks): not model states
@@ -169,7 +169,9 @@ def collect_owned(model: nn.Module | None = None, optimizer: Any = None,
                 pairs.append(("gradients", p.grad))
             main_grad = getattr(p, "main_grad", None)
             if isinstance(main_grad, torch.Tensor):
-                pairs.append(("main_grads", main_grad))
+                # A buffer in the parameter's own dtype holds the gradient itself (fp32 training); a wider one is
+                # Megatron's fp32 main_grad. Views of one buffer share its storage: counted once, padding included.
+                pairs.append(("gradients" if main_grad.dtype == p.dtype else "main_grads", main_grad))
         pairs.extend(("module_buffers", b) for b in model.buffers())
         if isinstance(model, MemoryOwner):
             pairs.extend(_owned(model, type(model).__name__))

@@ -11,8 +11,9 @@ A schedule (:mod:`lslm.pipeline.schedules`) gives each rank an ordered list of a
 * ``F`` / ``B`` / ``I`` / ``W`` go to the stage's :class:`~lslm.pipeline.stage.StageRuntime`;
   adjacent stages on one rank (DualPipeV's turn of the V) hand tensors over directly;
 * with data parallelism, each stage's gradients are averaged over ``ctx.group("dp")``
-  right after this rank's last backward touching that stage (one flat all-reduce per
-  stage, asynchronous: it overlaps the rest of the schedule and is waited at the end).
+  right after this rank's last backward touching that stage (asynchronous: it overlaps the
+  rest of the schedule and is waited at the end): one all-reduce per bucket of the stage's
+  gradient buffers, in place, or one flat all-reduce of its ``.grad`` without buffers.
 
 Optional recording: a timeline (compute from ``perf_counter`` around each action,
 synchronising the device first on CUDA; communication from the ledger's issue and
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from lslm.data_parallel.grad_sync import finish_reductions, reduce_buffers, split_by_holder
 from lslm.pipeline.actions import COMM_KINDS, COMPUTE_KINDS, Action
 from lslm.pipeline.memory import PipelineMemory
 from lslm.pipeline.p2p import action_of_record, post
@@ -73,7 +75,7 @@ class _Step:
     handover: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
     to_send: dict[Action, torch.Tensor] = field(default_factory=dict)  # keyed by the SEND action that carries it
     sends: list[tuple[Any, list[torch.Tensor]]] = field(default_factory=list)  # (work, aliases it keeps alive)
-    dp_syncs: list[tuple[Any, torch.Tensor, list[torch.nn.Parameter]]] = field(default_factory=list)
+    dp_syncs: list[tuple[list[tuple[Any, torch.Tensor]], list[torch.nn.Parameter] | None]] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     loss_sum: torch.Tensor | None = None
 
@@ -212,7 +214,11 @@ class PipelineExecutor:
         for w, _ in st.sends:
             w.wait()
         dp = self.ctx.dp_size
-        for work, flat, params in st.dp_syncs:
+        for pending, params in st.dp_syncs:
+            if params is None:  # gradient buffers: reduced in place, bucket by bucket
+                finish_reductions(pending, dp)
+                continue
+            ((work, flat),) = pending
             work.wait()
             flat /= dp
             offset = 0
@@ -233,15 +239,26 @@ class PipelineExecutor:
             raise RuntimeError(f"rank {self.rank}: {a} needs {Action(a.stage, kind, a.mb)} earlier in its list")
         return pool.pop(key)
 
-    def _start_dp_sync(self, stage: int) -> tuple[Any, torch.Tensor, list[torch.nn.Parameter]]:
-        """Start averaging ``stage``'s gradients over the data-parallel group (one flat all-reduce, SUM then /dp)."""
+    def _start_dp_sync(self, stage: int) -> tuple[list[tuple[Any, torch.Tensor]], list[torch.nn.Parameter] | None]:
+        """Start averaging ``stage``'s gradients over the data-parallel group (SUM, then /dp when waited).
+
+        Gradient buffers (``main_grad``; attach one set per stage): one all-reduce per bucket, in
+        place. Plain ``.grad``: one flat all-reduce, copied back when it completes.
+        """
         params = [p for p in self.stages[stage].module.parameters() if p.requires_grad]
+        buffers, plain = split_by_holder(params)
+        if buffers:
+            if plain:
+                raise ValueError(f"stage {stage}: {len(plain)} parameters hold .grad while the others have a "
+                                 "gradient buffer: attach buffers to the whole stage")
+            return reduce_buffers(buffers, self.ctx, self.ctx.group("dp"), label=dp_grad_label(stage),
+                                  async_op=True), None
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
         work = self.ctx.comm.all_reduce(flat, group=self.ctx.group("dp"), async_op=True, label=dp_grad_label(stage))
-        return work, flat, params
+        return [(work, flat)], params
 
 
 def comm_events(records: Sequence[Any], rank: int, origin: float) -> list[Event]:

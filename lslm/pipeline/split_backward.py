@@ -15,7 +15,7 @@ objects, same names: it *is* an ``nn.Linear``). Its autograd function, in backwa
 * inside ``store.deferring(mb)`` (an ``I``): returns no weight gradient and puts
   ``(layer, x, dL/dy)`` into the stage's :class:`WeightGradStore` under ``mb``;
   ``store.flush(mb)`` (the ``W``) computes ``dL/dW`` and ``dL/db`` from them and
-  accumulates into ``.grad``;
+  accumulates into ``.grad`` (into ``main_grad`` when a gradient buffer holds it);
 * otherwise (a full ``B``): returns the weight gradients at once, computed by the
   *same* two matmul/sum ops, so ``I`` then ``W`` gives exactly ``B``'s gradients.
 
@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lslm.data_parallel.grad_buffer import has_main_grad
+
 __all__ = ["SplitLinear", "WeightGradStore", "split_linears", "unsplit_linears", "weight_grads"]
 
 
@@ -46,6 +48,10 @@ def weight_grads(x: torch.Tensor, grad_out: torch.Tensor, has_bias: bool) -> tup
 
 
 def _accumulate(p: nn.Parameter, g: torch.Tensor) -> None:
+    # With a gradient buffer the gradient goes where autograd's would: into main_grad, past .grad.
+    if has_main_grad(p):
+        p.grad_buffer.accumulate(p, g)
+        return
     # What autograd's AccumulateGrad does for a dense gradient: adopt the first, add the rest.
     if p.grad is None:
         p.grad = g

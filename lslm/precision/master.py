@@ -9,12 +9,16 @@ copied back (rounded) into the half-precision model after each step.
 
 Gradients, two ways (``main_grad``):
 
-* ``main_grad=True`` (Megatron-LM, picotron): each parameter gets an fp32 ``main_grad``
-  buffer. A hook that runs when backward has accumulated a parameter's half-precision
-  ``.grad`` adds it into ``main_grad`` in fp32 and frees ``.grad``. Micro-batches of
-  gradient accumulation thus sum in fp32, and no half gradient outlives its layer's
-  backward. The master weight's ``.grad`` *is* ``main_grad`` (same storage): 2 + 4 + 4 + 8
-  = 18 bytes per parameter with Adam.
+* ``main_grad=True`` (Megatron-LM, picotron): each parameter's gradient lives in an fp32
+  ``main_grad``, a view into one contiguous :class:`~lslm.data_parallel.grad_buffer.GradBuffer`.
+  A hook that runs when backward has accumulated a parameter's half-precision ``.grad``
+  adds it into ``main_grad`` in fp32 and frees ``.grad``. Micro-batches of gradient
+  accumulation thus sum in fp32, and no half gradient outlives its layer's backward. The
+  master weight's ``.grad`` *is* ``main_grad`` (same storage): 2 + 4 + 4 + 8 = 18 bytes per
+  parameter with Adam. Buffers attached beforehand
+  (:func:`~lslm.data_parallel.grad_sync.attach_grad_buffers`: per pipeline stage, split by
+  the reduction tensor parallelism needs, bucketed for DDP, in the parameters' dtype) are
+  used as they are; otherwise one fp32 buffer over the model is attached here.
 * ``main_grad=False``: the half ``.grad`` stays (and accumulates in half precision); at the
   step it is converted to fp32 for the master. ``keep_fp32_grads=False``: the fp32 copy is
   made at the step and freed after it (the ZeRO paper's 2 + 2 + 12 = 16 bytes counts what
@@ -29,9 +33,10 @@ optimizer's step on the masters, and the masters copied into the model. Without 
 (bf16: fp32's exponent range, no loss scaling needed) there is no check: a NaN then
 reaches the weights exactly as it would in fp32 training.
 
-Composition: the ``main_grad`` hook frees ``.grad``, so it does not compose with a data-
-parallel wrapper that all-reduces ``.grad`` after backward (lslm's DDP): use
-``main_grad=False`` there, or all-reduce ``main_grad``.
+Composition: with ``main_grad`` the gradient is in the buffer and ``.grad`` is None after
+backward. Every lslm sync reduces the buffer (bucketed DDP, the TP and pipeline syncs, the
+global-norm clip); the wrappers that can only reduce ``.grad`` (naive and fused DDP, torch's
+DDP) refuse such a model instead of reducing nothing.
 """
 
 from __future__ import annotations
@@ -42,14 +47,43 @@ from typing import Any
 import torch
 from torch import nn
 
+from lslm.data_parallel.grad_buffer import BUFFER_ATTRS, GradBuffer, buffers_of, has_main_grad
+from lslm.data_parallel.grad_sync import attach_grad_buffers, zero_grad_buffers
 from lslm.precision.scaler import DynamicLossScaler
 
-__all__ = ["HALF_DTYPES", "ClipFn", "MixedPrecisionOptimizer"]
+__all__ = ["HALF_DTYPES", "ClipFn", "MixedPrecisionOptimizer", "layout_marks", "use_grad_buffers"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 #: ``clip(params, max_norm)``: clip the gradients of ``params`` to a global norm (torch's, or a parallel one).
 ClipFn = Callable[[list[torch.Tensor], float], Any]
+
+
+def layout_marks(param: torch.Tensor) -> dict[str, Any]:
+    """``param``'s layout attributes (``tensor_model_parallel``, ``partition_dim``, ``replicated_heads``, ...),
+    without the gradient buffer's own (``main_grad``, ``grad_buffer``): what a master copy carries."""
+    return {k: v for k, v in param.__dict__.items() if k not in BUFFER_ATTRS}
+
+
+def use_grad_buffers(params: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> list[GradBuffer]:
+    """The buffers holding ``params``' gradients: those already attached, else one attached now in ``dtype``.
+
+    Raises ``ValueError`` when only some of ``params`` have one (their gradients would live in
+    two places), or when an attached buffer also holds parameters outside ``params``.
+    """
+    held = [has_main_grad(p) for p in params]
+    if not any(held):
+        return attach_grad_buffers(params, dtype=dtype)
+    if not all(held):
+        raise ValueError(f"{held.count(False)} of {len(params)} parameters have no gradient buffer while the others "
+                         "do: attach buffers to the whole model (attach_grad_buffers) or to none of it")
+    buffers = buffers_of(params)
+    ids = {id(p) for p in params}
+    for buf in buffers:
+        if any(id(q) not in ids for q in buf.params):
+            raise ValueError("a gradient buffer holds parameters this optimizer does not update: attach buffers to "
+                             "the optimizer's parameters only")
+    return buffers
 
 
 class MixedPrecisionOptimizer:
@@ -99,7 +133,7 @@ class MixedPrecisionOptimizer:
         for p, m in zip(self.params, self.masters):
             # A master stands for its parameter: it carries the parameter's layout marks (tensor_model_parallel,
             # partition_dim, replicated_heads, ...), so a global norm over masters counts shards as over params.
-            m.__dict__.update(p.__dict__)
+            m.__dict__.update(layout_marks(p))
         self.optimizer = optimizer_factory(list(self.masters))
         owned = {id(m) for g in self.optimizer.param_groups for m in g["params"]}
         if owned != {id(m) for m in self.masters}:
@@ -107,20 +141,15 @@ class MixedPrecisionOptimizer:
                              "(it received the fp32 masters; did it read model.parameters() instead?)")
         model.to(dtype)  # only now: a refused factory leaves the model as it was
         self._fp32_grads: list[torch.Tensor] = []
-        self._hooks: list[Any] = []
+        self.grad_buffers: list[GradBuffer] = []
         if self.main_grad:
-            for p, m in zip(self.params, self.masters):
-                p.main_grad = torch.zeros_like(m)
-                m.grad = p.main_grad  # the master's gradient is main_grad: one fp32 buffer, no copy
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate))
+            self.grad_buffers = use_grad_buffers(self.params)
+            self._master_grads()  # the master's gradient is main_grad: one fp32 buffer, no copy
+        elif any(has_main_grad(p) for p in self.params):
+            raise ValueError("main_grad=False, but gradient buffers are attached to this model: pass main_grad=True "
+                             "(or detach them: lslm.data_parallel.grad_sync.detach_grad_buffers)")
         elif self.keep_fp32_grads:
             self._fp32_grads = [torch.zeros_like(m) for m in self.masters]
-
-    @staticmethod
-    def _accumulate(p: torch.Tensor) -> None:
-        # Runs once backward has summed this parameter's gradient: fold it into fp32, free the half copy.
-        p.main_grad.add_(p.grad)
-        p.grad = None
 
     # -- the optimizer-facing attributes -------------------------------------------------
     @property
@@ -152,11 +181,11 @@ class MixedPrecisionOptimizer:
         self.scale_loss(loss).backward()
 
     def zero_grad(self) -> None:
-        """Clear every gradient: ``main_grad`` zeroed in place (kept), half ``.grad`` freed."""
+        """Clear every gradient: the buffers zeroed in place (kept, one fill each), half ``.grad`` freed."""
+        if self.main_grad:
+            zero_grad_buffers(self.params)
         for p in self.params:
             p.grad = None
-            if self.main_grad:
-                p.main_grad.zero_()
         if not self.main_grad:
             for m in self.masters:
                 m.grad = None
@@ -166,8 +195,10 @@ class MixedPrecisionOptimizer:
         """Point every master's ``.grad`` at this step's fp32 gradient; return those gradients."""
         if self.main_grad:
             for p, m in zip(self.params, self.masters):
-                m.grad = p.main_grad  # again: an inner optimizer's own zero_grad() may have unset it
-            return [p.main_grad for p in self.params]
+                # Again at every step: an inner optimizer's own zero_grad() may have unset it. A buffer kept in
+                # the parameters' half dtype (reduced in half precision) is upcast here, a transient copy.
+                m.grad = p.main_grad if p.main_grad.dtype == torch.float32 else p.main_grad.float()
+            return [m.grad for m in self.masters]
         grads = []
         for i, (p, m) in enumerate(zip(self.params, self.masters)):
             if p.grad is None:  # unused this step: torch optimizers then skip the parameter
@@ -209,6 +240,10 @@ class MixedPrecisionOptimizer:
         if not self.main_grad and not self._fp32_grads:
             for m in self.masters:  # the transient fp32 copies: freed, as the ZeRO accounting assumes
                 m.grad = None
+        elif self.main_grad:
+            for p, m in zip(self.params, self.masters):
+                if p.main_grad.dtype != torch.float32:  # the upcast of a half buffer: transient too
+                    m.grad = None
         if self.scaler is not None:
             self.scaler.update(not stepped)
         return stepped
@@ -237,10 +272,10 @@ class MixedPrecisionOptimizer:
             self.scaler.load_state_dict(state["scaler"])
 
     def remove_hooks(self) -> None:
-        """Detach the ``main_grad`` hooks (the model's ``.grad`` then stays, unaccumulated)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        """Detach the gradient buffers (the model's ``.grad`` then stays, unaccumulated)."""
+        for buf in self.grad_buffers:
+            buf.detach()
+        self.grad_buffers = []
 
     def __repr__(self) -> str:
         return (f"MixedPrecisionOptimizer(dtype={self.dtype}, main_grad={self.main_grad}, "

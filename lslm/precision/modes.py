@@ -29,7 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lslm.precision.master import ClipFn, MixedPrecisionOptimizer
+from lslm.data_parallel.grad_buffer import buffers_of, has_main_grad
+from lslm.data_parallel.grad_sync import zero_grad_buffers
+from lslm.precision.master import ClipFn, MixedPrecisionOptimizer, use_grad_buffers
 from lslm.precision.scaler import DynamicLossScaler
 
 __all__ = ["PARAM_DTYPES", "PRECISION_MODES", "PlainOptimizer", "PrecisionSetup", "check_precision",
@@ -60,6 +62,9 @@ class PlainOptimizer:
         self.model = model
         self.optimizer = optimizer
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        # Gradients in buffers (main_grad) when the model has them: the optimizer sees them as .grad only
+        # inside step(), so a backward never finds a .grad to accumulate into besides the buffer's hook.
+        self.grad_buffers = buffers_of(self.params)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -80,18 +85,33 @@ class PlainOptimizer:
         loss.backward()
 
     def zero_grad(self) -> None:
-        """Free every gradient (``set_to_none``)."""
+        """Free every gradient (``set_to_none``); zero the gradient buffers in place."""
         self.optimizer.zero_grad(set_to_none=True)
+        if self.grad_buffers:
+            zero_grad_buffers(self.params)
 
     def step(self, max_grad_norm: float | None = None, *, clip: ClipFn | None = None) -> bool:
         """Clip (if asked) and step; always True.
 
         ``clip(params, max_grad_norm)`` replaces ``torch.nn.utils.clip_grad_norm_`` where the
         norm spans ranks (tensor or pipeline parallelism: :func:`lslm.tensor_parallel.clip.clip_grad_norm_`).
+        With gradient buffers, each ``.grad`` is its ``main_grad`` (a view, or a cast copy when the
+        buffer's dtype differs) during the step only.
         """
-        if max_grad_norm is not None and max_grad_norm > 0:
-            (clip or torch.nn.utils.clip_grad_norm_)([p for p in self.params if p.grad is not None], max_grad_norm)
-        self.optimizer.step()
+        if self.grad_buffers:
+            for p in self.params:
+                if has_main_grad(p):
+                    p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
+        try:
+            if max_grad_norm is not None and max_grad_norm > 0:
+                (clip or torch.nn.utils.clip_grad_norm_)([p for p in self.params if p.grad is not None],
+                                                         max_grad_norm)
+            self.optimizer.step()
+        finally:
+            if self.grad_buffers:
+                for p in self.params:
+                    if has_main_grad(p):
+                        p.grad = None
         return True
 
     def state_dict(self) -> dict[str, Any]:
@@ -143,7 +163,13 @@ def prepare_precision(model: nn.Module, mode: str, optimizer_factory: Callable[[
     if mode == "fp32" or not master_weights:
         if mode == "bf16":
             model.to(dtype)
-        optimizer = PlainOptimizer(model, optimizer_factory([p for p in model.parameters() if p.requires_grad]))
+        params = [p for p in model.parameters() if p.requires_grad]
+        if mode == "fp32" and main_grad:
+            use_grad_buffers(params)  # the gradients in one fp32 buffer, as in every mode
+        elif not main_grad and any(has_main_grad(p) for p in params):
+            raise ValueError("main_grad=False, but gradient buffers are attached to this model: pass main_grad=True "
+                             "(or detach them: lslm.data_parallel.grad_sync.detach_grad_buffers)")
+        optimizer = PlainOptimizer(model, optimizer_factory(params))
         convention = "fp32" if mode == "fp32" else "bf16_states"
         return PrecisionSetup(mode, model, optimizer, None, dtype, convention)
     if mode == "fp16":

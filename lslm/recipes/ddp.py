@@ -153,11 +153,12 @@ def build(cfg: DDPConfig, ctx: ParallelContext) -> Built:
         torch.set_num_threads(cfg.threads)
     model = _build_model(cfg).to(ctx.device)
     model.train()
-    # Cast before wrapping (DDP's buckets take the parameters' dtype); .grad stays, in the model's dtype,
-    # for the wrapper to average: half-precision gradients are reduced in half precision, as torch DDP does.
+    # Bucketed: the gradients live in bucketed buffers (--grad-reduce-dtype, fp32 by default) that the wrapper
+    # all-reduces in place. The others reduce .grad, in the model's dtype (half gradients in half precision, as
+    # torch DDP does), so they get plain .grad. Cast before wrapping (their buckets take the parameters' dtype).
     # The fp32 masters are cloned before the wrapper broadcasts rank 0's weights: right because every rank
     # builds the same weights from cfg.seed (a model that differs per rank would need its masters broadcast).
-    setup = prepare_training(model, cfg, main_grad=False, ctx=ctx)
+    setup = prepare_training(model, cfg, main_grad=cfg.variant == "bucketed", ctx=ctx, bucket_cap_mb=cfg.bucket_cap_mb)
     optimizer = setup.optimizer  # the baseline's AdamW, parameter groups and all (over fp32 masters in half modes)
     ddp = make_ddp(model, ctx, variant=cfg.variant, bucket_cap_mb=cfg.bucket_cap_mb,
                    record_timeline=cfg.record_timeline)

@@ -41,12 +41,13 @@ from torch.utils.data import DataLoader
 
 from lslm.data.dataset import next_token_batches, token_blocks
 from lslm.data.sampler import make_sampler
+from lslm.data_parallel.grad_sync import attach_grad_buffers
 from lslm.harness import Built, Marks, Recipe, StepTimer, entry_points, option, recipe_main
 from lslm.harness import summarize as summarize_run
 from lslm.pipeline.apply import PipelinePlan, apply_pipeline, check_plan
 from lslm.pipeline.partition import METHODS
 from lslm.pipeline.schedules import SCHEDULES
-from lslm.recipes.train import TrainConfig, build_model, precision_fields, prepare_training
+from lslm.recipes.train import TrainConfig, build_model, grad_buffer_dtype, precision_fields, prepare_training
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import resolve_sizes
 from lslm.runtime.startup import run_then_exit
@@ -123,9 +124,12 @@ def build(cfg: PipelineConfig, ctx: ParallelContext) -> Built:
     # This rank's stages as one module: what the optimizer, the clip and the memory report see.
     local = nn.ModuleList(pipe.stages[s] for s in sorted(pipe.stages))
     local.train()
-    # The baseline's AdamW on this rank's layers only (over fp32 masters in half modes; .grad stays half for the
-    # executor's dp averages). Stages read their dtype from their parameters, so they send half activations.
-    setup = prepare_training(local, cfg, main_grad=False, ctx=pctx)
+    # One set of gradient buffers per stage: the executor averages a stage's buffers over dp as soon as this rank's
+    # last backward of that stage is done. Then the baseline's AdamW on this rank's layers only (over fp32 masters in
+    # half modes). Stages read their dtype from their parameters, so they send half activations.
+    for s in sorted(pipe.stages):
+        attach_grad_buffers(pipe.stages[s], pctx, dtype=grad_buffer_dtype(cfg))
+    setup = prepare_training(local, cfg, ctx=pctx)
     optimizer = setup.optimizer
 
     blocks = token_blocks(cfg.block_size, cfg.vocab_size)

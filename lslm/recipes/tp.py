@@ -103,8 +103,9 @@ def build(cfg: TPConfig, ctx: ParallelContext) -> Built:
     model = apply_tensor_parallel(build_model(cfg).to(tctx.device), tctx, sequence_parallel=cfg.sequence_parallel,
                                   async_grad_allreduce=cfg.async_grad_allreduce, rng_seed=cfg.seed)
     model.train()
-    # The baseline's AdamW on this rank's shards (over fp32 masters in half modes; .grad stays half for the syncs).
-    setup = prepare_training(model, cfg, main_grad=False, ctx=tctx)
+    # The baseline's AdamW on this rank's shards (over fp32 masters in half modes). Gradients live in buffers split
+    # by the reduction they need (dp; sp: TP sum first; kv-heads: a slot per head), reduced in place below.
+    setup = prepare_training(model, cfg, ctx=tctx)
     optimizer = setup.optimizer
 
     blocks = token_blocks(cfg.block_size, cfg.vocab_size)

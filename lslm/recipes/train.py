@@ -24,12 +24,14 @@ from typing import Any
 import torch
 
 from lslm.data.dataset import batches, token_blocks
+from lslm.data_parallel.grad_buffer import has_main_grad
+from lslm.data_parallel.grad_sync import GRAD_DTYPES, attach_grad_buffers, resolve_grad_dtype
 from lslm.harness import Built, StepTimer, check_fields, option, parse_config, summarize, train_loop, write_run_log
 from lslm.models.gpt import GPT, GPTConfig
-from lslm.precision import PRECISION_MODES, PrecisionSetup, prepare_precision
+from lslm.precision import PARAM_DTYPES, PRECISION_MODES, PrecisionSetup, prepare_precision
 from lslm.runtime.context import ParallelContext
 
-__all__ = ["TrainConfig", "adamw", "build", "build_model", "data_stream", "main", "make_optimizer",
+__all__ = ["TrainConfig", "adamw", "build", "build_model", "data_stream", "grad_buffer_dtype", "main", "make_optimizer",
            "precision_fields", "prepare_training", "train"]
 
 
@@ -55,6 +57,9 @@ class TrainConfig:
     precision: str = option("fp32", choices=PRECISION_MODES, help="fp32, or a bf16/fp16 model with fp32 master "
                                                                   "weights (fp16 with dynamic loss scaling)")
     init_scale: float = option(2.0**16, help="fp16: the loss scaler's initial scale", gt=0)
+    grad_reduce_dtype: str = option("fp32", choices=GRAD_DTYPES, help="dtype of the gradient buffer, in which "
+                                    "gradients accumulate and are reduced across ranks: fp32, or the parameters' "
+                                    "dtype (param)")
     # bookkeeping
     log_every: int = option(10, help="log the loss every this many steps", ge=1)
     device: str = option("cpu", help="torch device of the run")
@@ -106,18 +111,28 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Adam
     return adamw(list(model.parameters()), cfg)
 
 
+def grad_buffer_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The gradient buffers' dtype ``cfg`` asks for (``--grad-reduce-dtype``: fp32, or the model's dtype)."""
+    return resolve_grad_dtype(cfg.grad_reduce_dtype, PARAM_DTYPES[cfg.precision])
+
+
 def prepare_training(model: torch.nn.Module, cfg: TrainConfig, *, main_grad: bool = True,
-                     ctx: ParallelContext | None = None) -> PrecisionSetup:
+                     ctx: ParallelContext | None = None, bucket_cap_mb: float | None = None) -> PrecisionSetup:
     """``model`` in ``cfg.precision`` with the baseline's AdamW behind one interface (fp32 masters for half modes).
 
     Returns :func:`lslm.precision.prepare_precision`'s setup: ``setup.optimizer`` has
     ``zero_grad()``, ``scale_loss(loss)`` (the loss times the loss scale: call ``backward``
     on that), ``step(max_grad_norm, clip=...) -> bool`` (False: an fp16 overflow skipped the
-    step) and ``loss_scale``. ``main_grad=False`` keeps half-precision ``.grad`` (what a
-    wrapper that reduces ``.grad`` needs: DDP, the TP and pipeline gradient syncs).
-    With ``ctx`` the fp16 overflow flag is MAX-reduced over every rank, which all hold
-    gradients, so all ranks skip the same steps.
+    step) and ``loss_scale``. With ``main_grad`` (the default) every gradient lives in a
+    gradient buffer of dtype :func:`grad_buffer_dtype`: those already attached to ``model``
+    (per pipeline stage, say), else buffers attached here (split by the reduction each
+    parameter needs, ``bucket_cap_mb`` per bucket; ``ctx`` gives a replicated key/value head
+    its slot). ``main_grad=False`` keeps plain ``.grad`` (for wrappers that reduce ``.grad``:
+    naive, fused and torch DDP). With ``ctx`` the fp16 overflow flag is MAX-reduced over every
+    rank, which all hold gradients, so all ranks skip the same steps.
     """
+    if main_grad and not any(has_main_grad(p) for p in model.parameters()):
+        attach_grad_buffers(model, ctx, dtype=grad_buffer_dtype(cfg), bucket_cap_mb=bucket_cap_mb)
     scaler = {"init_scale": cfg.init_scale} if cfg.precision == "fp16" else None
     return prepare_precision(model, cfg.precision, lambda params: adamw(params, cfg), main_grad=main_grad,
                              scaler=scaler, comm=ctx.comm if ctx is not None else None)

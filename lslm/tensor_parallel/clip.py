@@ -37,6 +37,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from lslm.data_parallel.grad_buffer import main_grad_or_grad
+from lslm.data_parallel.grad_sync import reduce_buffers, split_by_holder
 from lslm.runtime.context import ParallelContext
 
 __all__ = ["CLIP_LABEL", "DP_GRAD_LABEL", "average_data_parallel_grads", "clip_grad_norm_", "counts_in_norm",
@@ -75,7 +77,8 @@ def grad_norm(model_or_params: nn.Module | Iterable[torch.Tensor], ctx: Parallel
     A 0-dim fp32 tensor on the gradients' device (``ctx.device`` if there are none).
     One all-reduce of one number over ``ctx.group("tp", "pp")``, skipped when that group is this rank alone.
     """
-    grads = [p.grad for p in _params(model_or_params) if p.grad is not None and counts_in_norm(p, ctx)]
+    held = [(p, main_grad_or_grad(p)) for p in _params(model_or_params)]
+    grads = [g for p, g in held if g is not None and counts_in_norm(p, ctx)]
     device = grads[0].device if grads else ctx.device
     sq = torch.zeros(1, dtype=torch.float32, device=device)
     for g in grads:
@@ -100,8 +103,9 @@ def clip_grad_norm_(model_or_params: nn.Module | Iterable[torch.Tensor], max_nor
     total = grad_norm(params, ctx, label=label)
     coef = (max_norm / (total + eps)).clamp(max=1.0)
     for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+        g = main_grad_or_grad(p)
+        if g is not None:
+            g.mul_(coef.to(g.device, g.dtype))
     return total
 
 
@@ -111,15 +115,22 @@ def average_data_parallel_grads(model_or_params: nn.Module | Iterable[torch.Tens
     """Average gradients over the data-parallel group: one flat all-reduce (SUM, then divide by ``dp``).
 
     Only ``dp``: the TP ranks of a replica already agree on the loss (see the module doc).
-    Returns the number of elements reduced (0 with ``dp == 1``: nothing to do).
+    Returns the number of elements reduced (0 with ``dp == 1``: nothing to do). Gradients in
+    buffers (``main_grad``) are reduced there, bucket by bucket, in place.
     Context parallelism, whose ranks see different tokens, is not handled here.
     """
     if ctx.cp_size > 1:
         raise ValueError(f"cp={ctx.cp_size}: context-parallel ranks must also average gradients; this function "
                          "only averages over dp")
-    grads = [p.grad for p in _params(model_or_params) if p.grad is not None]
-    if ctx.dp_size == 1 or not grads:
+    if ctx.dp_size == 1:
         return 0
+    buffers, plain = split_by_holder(_params(model_or_params))
+    # Buffers: one in-place all-reduce per bucket (the "sp" and "kv-heads" buffers too, after their TP sums).
+    reduce_buffers(buffers, ctx, ctx.dp_group, label=label, divide_by=ctx.dp_size)
+    reduced = sum(b.numel for b in buffers)
+    grads = [p.grad for p in plain if p.grad is not None]
+    if not grads:
+        return reduced
     flat = torch.cat([g.reshape(-1) for g in grads])
     ctx.comm.all_reduce(flat, group=ctx.dp_group, label=label)
     flat /= ctx.dp_size
@@ -127,4 +138,4 @@ def average_data_parallel_grads(model_or_params: nn.Module | Iterable[torch.Tens
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
-    return flat.numel()
+    return reduced + flat.numel()

@@ -13,7 +13,12 @@ Grouped-query attention with fewer key/value heads than TP ranks replicates each
 on ``t / n_kv`` ranks, each of which computes its gradient from its own query heads only:
 the full gradient is the sum over the ranks sharing the head.
 
-All of it goes in one flat all-reduce per kind (coalesced, as Megatron does).
+All of it goes in one flat all-reduce per kind (coalesced, as Megatron does). When the
+gradients live in buffers (``main_grad``, :func:`lslm.data_parallel.grad_sync.attach_grad_buffers`
+called after :func:`~lslm.tensor_parallel.apply.apply_tensor_parallel`), each kind has its own
+buffer and the all-reduce runs on it, bucket by bucket, in place: no concatenation, no copy
+back. The replicated heads' buffer has a slot per head already, so it needs no zero-padded
+staging buffer either.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lslm.data_parallel.grad_sync import reduce_buffers, split_by_holder
 from lslm.runtime.context import ParallelContext
 
 __all__ = ["SP_GRAD_LABEL", "KV_GRAD_LABEL", "sequence_parallel_params", "sync_replicated_head_grads",
@@ -38,10 +44,22 @@ def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
 def sync_sequence_parallel_grads(model: nn.Module, ctx: ParallelContext) -> int:
     """Sum the gradients of ``sequence_parallel`` parameters over the TP group (one flat all-reduce).
 
-    Returns the number of elements reduced (0 when there is nothing to do).
+    Returns the number of elements reduced (0 when there is nothing to do). With gradient
+    buffers, the ``"sp"`` buffer is reduced in place (``ValueError`` if it also holds other
+    parameters: attach the buffers after ``apply_tensor_parallel`` marked the model).
     """
-    grads = [p.grad for p in sequence_parallel_params(model) if p.grad is not None]
-    if ctx.tp_size == 1 or not grads:
+    params = sequence_parallel_params(model)
+    if ctx.tp_size == 1 or not params:
+        return 0
+    buffers, plain = split_by_holder(params)
+    if buffers:
+        if plain:
+            raise ValueError(f"{len(plain)} sequence-parallel parameters hold .grad while the others have a "
+                             "gradient buffer: attach buffers to the whole model")
+        reduce_buffers(buffers, ctx, ctx.tp_group, label=SP_GRAD_LABEL)
+        return sum(b.numel for b in buffers)
+    grads = [p.grad for p in plain if p.grad is not None]
+    if not grads:
         return 0
     flat = torch.cat([g.reshape(-1) for g in grads])
     ctx.comm.all_reduce(flat, group=ctx.tp_group, label=SP_GRAD_LABEL)
@@ -59,8 +77,18 @@ def sync_replicated_head_grads(model: nn.Module, ctx: ParallelContext) -> int:
     room for all ``n_kv`` heads; one all-reduce over the TP group then sums, slot by slot,
     exactly the ranks that share the head. Returns the buffer's element count.
     """
-    params = [p for p in model.parameters() if getattr(p, "replicated_heads", None) and p.grad is not None]
-    if ctx.tp_size == 1 or not params:
+    marked = list({id(p): p for p in model.parameters() if getattr(p, "replicated_heads", None)}.values())
+    if ctx.tp_size == 1 or not marked:
+        return 0
+    buffers, plain = split_by_holder(marked)
+    if buffers:  # each parameter already owns one slot per head there (lslm.data_parallel.grad_sync)
+        if plain:
+            raise ValueError(f"{len(plain)} replicated key/value parameters hold .grad while the others have a "
+                             "gradient buffer: attach buffers to the whole model")
+        reduce_buffers(buffers, ctx, ctx.tp_group, label=KV_GRAD_LABEL)
+        return sum(b.numel for b in buffers)
+    params = [p for p in plain if p.grad is not None]
+    if not params:
         return 0
     total = 0
     slots = []

@@ -59,6 +59,7 @@ from torch.distributed import ReduceOp
 
 from lslm.data_parallel.ddp.buckets import cap_bytes, plan_buckets
 from lslm.data_parallel.ddp.checks import first_mismatch
+from lslm.data_parallel.grad_buffer import has_main_grad
 from lslm.metrics.owners import MemoryRegistry
 
 GRAD_LABEL = "ddp-grad"
@@ -97,6 +98,8 @@ class DDPBase(nn.Module):
     """
 
     variant = "base"
+    #: Whether the variant reduces gradient buffers (``main_grad``) in place; the others refuse such a model.
+    reduces_grad_buffers = False
 
     def __init__(self, module: nn.Module, ctx: Any, *, broadcast_params: bool = True,
                  find_unused_parameters: bool = False, record_timeline: bool = False) -> None:
@@ -109,6 +112,12 @@ class DDPBase(nn.Module):
                              f"runs on {ctx.device}: call model.to(ctx.device) before wrapping it")
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: create ctx with lslm.runtime.init_distributed()")
+        buffered = [n for n, p in module.named_parameters() if has_main_grad(p)]
+        if buffered and not self.reduces_grad_buffers:
+            raise ValueError(f"{type(self).__name__} all-reduces .grad, but {buffered[0]!r} ({len(buffered)} "
+                             "parameters in all) keeps its gradient in a gradient buffer (main_grad; .grad is None "
+                             "after backward), so it would reduce nothing: use variant='bucketed', which reduces the "
+                             "buffer, or build the optimizer with main_grad=False")
         self.module = module
         self.ctx = ctx
         self.comm = ctx.comm

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from lslm.data_parallel.ddp.base import GRAD_LABEL, BucketPlanDDP
+from lslm.data_parallel.grad_buffer import GradBuffer, buffers_of, has_main_grad
 
 
 class BucketedDDP(BucketPlanDDP):
@@ -29,10 +30,18 @@ class BucketedDDP(BucketPlanDDP):
     a different order. ``finish_grad_sync`` waits for the buckets in order, divides
     each buffer by ``n`` and copies it back into ``.grad``.
 
-    We *copy* gradients into the buckets (and back) rather than making ``.grad`` a view
-    into the bucket buffer (torch's ``gradient_as_bucket_view=True``): simpler and
-    safe with ``zero_grad(set_to_none=True)``, at the price of 2 memory copies of Ψ
-    and one extra Ψ of buffers (registered as ``comm_buffers``: ``memory_owners()``).
+    **Two homes for the gradients.** On a plain model we *copy* gradients into the buckets
+    (and back) rather than making ``.grad`` a view into the bucket buffer (torch's
+    ``gradient_as_bucket_view=True``): simple and safe with ``zero_grad(set_to_none=True)``,
+    at the price of 2 memory copies of Ψ and one extra Ψ of buffers (registered as
+    ``comm_buffers``: ``memory_owners()``). On a model whose gradients already live in
+    gradient buffers (``main_grad``: :func:`lslm.data_parallel.grad_sync.attach_grad_buffers`
+    with ``bucket_cap_mb``, Megatron's layout) the buckets *are* the buffers' buckets: the
+    buffer's hook folds each ``.grad`` into ``main_grad`` and tells this wrapper, a full
+    bucket's slice of the buffer is all-reduced in place, and ``finish_grad_sync`` only waits
+    and divides. No copies, no second Ψ, and the reduction runs in the buffer's dtype (fp32
+    by default, so half-precision gradients are summed over ranks in fp32). ``grad_bytes`` is
+    then the buffers' bytes.
 
     **Cost (alpha-beta model).** Same bytes as naive and fused, ``2(n-1)/n · Ψ`` per
     rank with a ring, in ``B`` calls; but all buckets except the last overlap with
@@ -52,6 +61,7 @@ class BucketedDDP(BucketPlanDDP):
     """
 
     variant = "bucketed"
+    reduces_grad_buffers = True
 
     def __init__(self, module: nn.Module, ctx: Any, *, bucket_cap_mb: float = 25.0, broadcast_params: bool = True,
                  find_unused_parameters: bool = False, record_timeline: bool = False) -> None:
@@ -59,6 +69,14 @@ class BucketedDDP(BucketPlanDDP):
                          find_unused_parameters=find_unused_parameters, record_timeline=record_timeline)
         self._bucket_buffers: list[torch.Tensor] = []
         self._where: dict[int, tuple[int, int]] = {}  # param index -> (bucket, offset in its buffer)
+        self._lock = threading.Lock()  # hooks may run on autograd's device thread
+        self.grad_buffers = buffers_of(self.params)
+        if self.grad_buffers:
+            self._adopt_grad_buffers()
+            self._reset_state()
+            index = {id(p): i for i, p in enumerate(self.params)}
+            self._handles = [buf.add_listener(self._listener(buf, index)) for buf in self.grad_buffers]
+            return
         for b, idx in enumerate(self._plan):
             offset = 0
             for i in idx:
@@ -67,18 +85,43 @@ class BucketedDDP(BucketPlanDDP):
             p0 = self.params[idx[0]]
             buf = torch.zeros(offset, dtype=p0.dtype, device=p0.device)
             self._bucket_buffers.append(self.memory_registry.register("comm_buffers", buf, f"bucket {b}"))
-        self._lock = threading.Lock()  # hooks may run on autograd's device thread
         self._reset_state()
-        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+        handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)]
+        self._handles = [h.remove for h in handles]
+
+    def _adopt_grad_buffers(self) -> None:
+        """Buckets = the gradient buffers' buckets, in buffer order; each bucket's slice is all-reduced in place."""
+        mine = {id(p) for p in self.params}
+        plain = [n for n, p in zip(self.param_names, self.params) if not has_main_grad(p)]
+        if plain:
+            raise ValueError(f"{plain[0]!r} has no gradient buffer while other parameters do: attach buffers to "
+                             "the whole model (attach_grad_buffers) or to none of it")
+        for buf in self.grad_buffers:
+            if any(id(q) not in mine for q in buf.params):
+                raise ValueError("a gradient buffer also holds parameters outside the wrapped model")
+        index = {id(p): i for i, p in enumerate(self.params)}
+        self._plan = []
+        for buf in self.grad_buffers:
+            for bucket in buf.buckets:
+                self._plan.append([index[id(buf.params[j])] for j in bucket.params])
+                self._bucket_buffers.append(buf.bucket_view(bucket.index))  # the gradients themselves, not a copy
+        self.grad_bytes = sum(buf.nbytes for buf in self.grad_buffers)
+
+    def _listener(self, buf: GradBuffer, index: dict[int, int]) -> Any:
+        def on_accumulate(j: int) -> None:  # the buffer folded parameter j's new gradient into main_grad
+            if self._sync_this_backward:
+                self._grad_ready(index[id(buf.params[j])], None)
+        return on_accumulate
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks (the wrapper then no longer synchronises anything)."""
-        for h in self._handles:
-            h.remove()
+        for remove in self._handles:
+            remove()
         self._handles = []
 
     # -- state of one synchronising backward -------------------------------------------
     def _reset_state(self) -> None:
+        self._bucket_of = {i: b for b, idx in enumerate(self._plan) for i in idx}
         self._ready = [False] * len(self.params)
         self._missing = [len(idx) for idx in self._plan]
         self._works: list[Any] = [None] * len(self._plan)
@@ -100,14 +143,17 @@ class BucketedDDP(BucketPlanDDP):
                 self._grad_ready(i, param)
         return hook
 
-    def _grad_ready(self, i: int, param: torch.Tensor) -> None:
+    def _grad_ready(self, i: int, param: torch.Tensor | None) -> None:
         with self._lock:
             if self._ready[i]:
                 raise RuntimeError(f"BucketedDDP: parameter {self.param_names[i]!r} received a gradient twice in one "
                                    "synchronising backward (reentrant checkpointing, or a second backward before "
                                    "finish_grad_sync()); its bucket may already be on the wire")
-            b, offset = self._where[i]
-            self._bucket_buffers[b][offset:offset + param.numel()].view_as(param).copy_(param.grad)
+            if param is not None:  # the copying mode; with a gradient buffer the gradient is in place already
+                b, offset = self._where[i]
+                self._bucket_buffers[b][offset:offset + param.numel()].view_as(param).copy_(param.grad)
+            else:
+                b = self._bucket_of[i]
             self._ready[i] = True
             self._missing[b] -= 1
             if self._missing[b] == 0:
@@ -142,18 +188,21 @@ class BucketedDDP(BucketPlanDDP):
                     raise self._unused_error(unready, "in this synchronising backward (no gradient hook fired)")
                 for i in unready:  # zero (or what no_sync() micro-batches accumulated) counts as this rank's share
                     p = self.params[i]
-                    b, offset = self._where[i]
-                    view = self._bucket_buffers[b][offset:offset + p.numel()].view_as(p)
-                    if p.grad is not None:
-                        view.copy_(p.grad)
+                    if self.grad_buffers:  # main_grad holds it already (zero, or the no_sync() sum)
+                        b = self._bucket_of[i]
                     else:
-                        view.zero_()
+                        b, offset = self._where[i]
+                        view = self._bucket_buffers[b][offset:offset + p.numel()].view_as(p)
+                        if p.grad is not None:
+                            view.copy_(p.grad)
+                        else:
+                            view.zero_()
                     self._ready[i] = True
                     self._missing[b] -= 1
                     if self._missing[b] == 0:
                         self._record("bucket_ready", b, self._nbytes(b))
                 self._launch_in_order()
-            if self.find_unused_parameters:  # after the buckets, in the same order on every rank
+            if self.find_unused_parameters and not self.grad_buffers:  # after the buckets, same order everywhere
                 nobody = self._globally_unused([p.grad is not None for p in self.params])
             works, self._works = self._works, [None] * len(self._plan)
             self._reset_state()
@@ -161,6 +210,8 @@ class BucketedDDP(BucketPlanDDP):
             works[b].wait()
             buf = self._bucket_buffers[b]
             buf.div_(self.world_size)
+            if self.grad_buffers:
+                continue  # the bucket is the gradients: nothing to copy back
             for i in idx:
                 p = self.params[i]
                 _, offset = self._where[i]
