@@ -35,8 +35,8 @@ LOSS_ATOL = 1e-5
 LOGIT_ATOL = 1e-5
 # Each feature at least once per world size, kept few: launches on a shared 2-core machine dominate.
 RUN = {2: ("gpt2", "gpt2_sp", "gpt2_tied_sp", "llama_kv2", "llama_kv2_sp", "llama_kv1", "llama_kv1_eager_sp",
-           "llama_kv1_no_sync"),
-       4: ("gpt2", "gpt2_sp", "llama_kv2_sp", "llama_kv1")}
+           "llama_kv1_no_sync", "llama_kv1_buffered"),
+       4: ("gpt2", "gpt2_sp", "llama_kv2_sp", "llama_kv1", "llama_kv2_buffered_sp")}
 
 
 @functools.cache

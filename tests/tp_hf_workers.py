@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lslm.data_parallel.grad_sync import attach_grad_buffers
 from lslm.models.hf import build_hf_gpt2, build_hf_llama
+from lslm.precision import prepare_precision
 from lslm.runtime import init_distributed
 from lslm.runtime.context import ParallelContext
 from lslm.tensor_parallel.apply import apply_tensor_parallel
@@ -32,7 +34,12 @@ CASES: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
     # eager attention: the explicit causal mask (built for the whole sequence) and repeat_kv by the fixed-up groups
     "llama_kv1_eager_sp": ("llama", {"num_key_value_heads": 1, "attn_implementation": "eager"}, True, True),
     "llama_kv1_no_sync": ("llama", {"num_key_value_heads": 1}, False, False),
+    # the gradients in buffers (the API default of lslm's optimizers): the kv-heads buffer has a slot per head
+    "llama_kv1_buffered": ("llama", {"num_key_value_heads": 1}, False, True),
+    "llama_kv2_buffered_sp": ("llama", {"num_key_value_heads": 2}, True, True),
 }
+#: cases trained with gradient buffers (attach_grad_buffers, then the optimizer on main_grad)
+BUFFERED = {"llama_kv1_buffered", "llama_kv2_buffered_sp"}
 
 
 def build(model: str, **kw: Any) -> nn.Module:
@@ -95,7 +102,12 @@ def run_case(ctx: ParallelContext, name: str) -> dict[str, Any]:
     vocab = vocab_of(model_name)
     ref_losses, hf_gap, ref = _serial(model_name, tuple(sorted(kw.items())), str(ctx.device))
     model = apply_tensor_parallel(build(model_name, **kw).to(ctx.device), ctx, sequence_parallel=sp)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if name in BUFFERED:  # after apply_tensor_parallel marked the parameters: one buffer per kind of reduction
+        kinds = sorted(b.kind for b in attach_grad_buffers(model, ctx))
+        assert kinds == (["dp", "kv-heads", "sp"] if sp else ["dp", "kv-heads"]), kinds
+        opt = prepare_precision(model, "fp32", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)).optimizer
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses, fwd_ops, bwd_ops = [], {}, {}
     for step in range(STEPS):
         x = batch(step, vocab).to(ctx.device)
