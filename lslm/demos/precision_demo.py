@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lslm.data_parallel.grad_buffer import main_grad_or_grad
 from lslm.models.gpt import GPT
 from lslm.precision import (
     DynamicLossScaler,
@@ -74,7 +75,7 @@ def gradients_of_gpt(steps: int = 5, batch_size: int = 8, seed: int = 0, **model
     setup = _train_lslm(cfg, "fp32", steps)["setup"]
     setup.optimizer.zero_grad()
     setup.optimizer.backward(setup.model(*demo_batches(cfg, steps + 1)[steps])[1])
-    return [p.grad.detach().clone() for p in setup.model.parameters()]
+    return [main_grad_or_grad(p).detach().clone() for p in setup.model.parameters()]  # fp32: the buffer
 
 
 def _train_lslm(cfg: TrainConfig, mode: str, steps: int, *, loss_weight: float = 1.0, scaler: Any = "default",
