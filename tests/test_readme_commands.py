@@ -91,7 +91,7 @@ SKIP = {
     "make notebooks": f"re-executes every notebook in place (minutes, rewrites committed files); nbval runs "
                       f"them under `make test`; {_MAKE_DRY_RUN}",
     "make clean": f"deletes the environment this test runs in; {_MAKE_DRY_RUN}",
-    "make lint": f"ruff over the repository, the first step of `make test`; {_MAKE_DRY_RUN}",
+    "make lint": f"ruff and lint-imports over the repository, the first step of `make test`; {_MAKE_DRY_RUN}",
     'make test PYTEST_ARGS="tests/test_launch.py -x"': f"runs tests/test_launch.py, part of the suite; "
                                                        f"{_MAKE_DRY_RUN}",
     'make lab TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu126"':
