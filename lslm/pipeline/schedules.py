@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lslm.pipeline.actions import Action
+from lslm.pipeline.comm_plan import add_communication
 
 __all__ = ["SCHEDULES", "PipelineSchedule", "build_schedule", "check_schedule_config", "schedule_from_lists",
            "stage_to_rank_map"]
@@ -52,8 +53,6 @@ class PipelineSchedule:
 
     def actions(self, rank: int) -> list[Action]:
         """Rank ``rank``'s compute actions with the send/receive actions inserted (``comm_plan.add_communication``)."""
-        from lslm.pipeline.comm_plan import add_communication
-
         return add_communication(self, rank)
 
     def __str__(self) -> str:
