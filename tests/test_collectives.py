@@ -16,7 +16,7 @@ import pytest
 
 from lslm.collectives import ALGORITHMS, KINDS, TIMEOUT_HINT, barrier_bytes, check_bytes, chunk_bounds, chunk_sizes
 from lslm.collectives.p2p import binomial_children, binomial_parent
-from lslm.runtime import LaunchError
+from lslm.launcher import LaunchError
 from tests.helpers import backends, nproc_backends, run_workers
 
 # 0 and 1 are edge cases (empty tensors; fewer elements than ranks, so empty chunks),

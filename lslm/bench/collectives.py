@@ -177,7 +177,7 @@ def run(nprocs: tuple[int, ...] = (2, 4), sizes: tuple[int, ...] = DEFAULT_SIZES
         timeout: float = 900.0, device: str = "cpu") -> dict[int, dict[str, Any]]:
     """Launch the benchmark at each world size on ``device``, fit the model; print the table and write
     ``collectives.txt`` (the printed text), ``.json`` and ``.png`` to ``out_dir`` (``None``: print only)."""
-    from lslm.runtime.launch import launch
+    from lslm.launcher.launch import launch
 
     nprocs = world_sizes(nprocs)  # every check before any process starts
     sizes = tuple(sizes)

@@ -166,7 +166,7 @@ def run(model: dict[str, Any] | None = None, bucket_caps_mb: tuple[float, ...] =
     from lslm.bench.ddp import BENCH_MODEL
     from lslm.bench.devices import device_env
     from lslm.data_parallel.ddp import cap_bytes
-    from lslm.runtime.launch import launch
+    from lslm.launcher.launch import launch
 
     for mb in bucket_caps_mb:
         cap_bytes(mb)  # ValueError before any process starts

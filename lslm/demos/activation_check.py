@@ -249,7 +249,7 @@ def run(s: int = 64, b: int = 2, h: int = 64, a: int = 8, tps: tuple[int, ...] =
     ``measured / adapted`` and ``measured / paper``. The workers run on the CPU with gloo
     whatever the machine: the accounting is that of fp32 on the CPU (float dropout noise).
     """
-    from lslm.runtime.launch import launch
+    from lslm.launcher.launch import launch
 
     _check_sizes(s, b, h, a, dropout, attention)
     for t in tps:
