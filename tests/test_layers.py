@@ -96,3 +96,18 @@ def test_lint_imports_keeps_the_layer_contracts() -> None:
         pytest.skip("import-linter is not installed: pip install -e '.[test]'")
     done = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_architecture_doc_and_picture_name_every_layered_package() -> None:
+    """docs/architecture.md lists every package of the layers contract, and shows the picture drawn from it."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c for c in contracts if c["type"] == "layers")["layers"]
+    names = [n.strip().strip("()") for layer in layers for n in layer.replace(":", "|").split("|")]
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    missing = [n for n in names if f"`{n}`" not in doc]
+    assert not missing, f"docs/architecture.md does not name {missing}"
+    assert "../images/architecture.png" in doc and (ROOT / "images" / "architecture.png").is_file()
