@@ -4,7 +4,7 @@ The executor posts each maximal run of consecutive communication actions as **on
 ``batch_isend_irecv`` and, when the run has a receive, waits for all of it before the next compute.
 Two plans (``PipelineSchedule.comm_plan``):
 
-``"jit"`` (the default; PIPELINE_SPEC "comm_plan.py"):
+``"jit"`` (the default, just in time):
 
 * ``RECV_F(s, mb)`` immediately before ``F(s, mb)`` when stage ``s - 1`` lives on another rank;
 * ``SEND_F(s, mb)`` immediately after ``F(s, mb)`` when stage ``s + 1`` lives on another rank;
