@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Protocol
 
-from lslm.pipeline.actions import Action
+from lslm.pipeline.actions import DEFAULT_COSTS, Action
 
 __all__ = ["COMM_PLANS", "ScheduleLike", "add_communication", "comm_batches", "ideal_times", "peer_of", "timed_plan"]
 
@@ -82,7 +82,6 @@ def _insert(compute: Sequence[Action], stage_to_rank: Sequence[int], rank: int) 
 
 
 COMM_PLANS = ("jit", "timed")
-PLAN_COSTS: dict[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
 def add_communication(schedule: ScheduleLike, rank: int) -> list[Action]:
@@ -117,7 +116,7 @@ def ideal_times(schedule: ScheduleLike, costs: dict[str, float] | None = None
     Each rank runs its list in order; an action starts once the rank is free and its inputs exist. ``None`` when
     some action waits for an input that never comes (the compute order itself is invalid).
     """
-    c = {**PLAN_COSTS, **(costs or {})}
+    c = {**DEFAULT_COSTS, **(costs or {})}
     last = schedule.num_stages - 1
     p = schedule.num_ranks
     done: dict[tuple[str, int, int], float] = {}
