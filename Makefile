@@ -2,7 +2,8 @@
 #
 #   make lab      install if needed, start JupyterLab on the repository root, opened on notebooks/
 #                 (the root is served so that the notebooks' ../images/*.png links load)
-#   make test     install if needed, lint (ruff), run the whole test suite (notebooks included)
+#   make test     install if needed, lint (ruff, then import-linter's layer contracts), run the whole test suite
+#                 (notebooks included)
 #
 # Variables (override on the command line, e.g. `make lab PORT=9999`):
 #   PYTHON       interpreter used to create .venv (Python >= 3.10)
@@ -44,9 +45,11 @@ lab: setup
 test: setup lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# ruff (configured in pyproject.toml) over the package, tests and image scripts; runs first in `make test`.
+# ruff (configured in pyproject.toml) over the package, tests and image scripts, then import-linter's contracts
+# (the package's layers and no import cycles, docs/architecture.md); runs first in `make test`.
 lint: setup
 	$(BIN)/python -m ruff check .
+	$(BIN)/lint-imports
 
 # Re-execute every notebook in place (outputs committed, so readers see results first), then normalise them
 # (kernelspec as installed, no run timestamps or widget state, text progress bars as their final line), so a

@@ -46,7 +46,7 @@ def doctor_report() -> dict[str, Any]:
 def doctor(nproc: int = 2, timeout: float = 120.0) -> bool:
     """Print the machine report, run an ``nproc``-process smoke job through ``lslm.launch``,
     and end with one ``lslm doctor: OK`` or ``lslm doctor: FAIL (...)`` line. Returns success."""
-    from lslm.runtime.launch import LaunchError, launch
+    from lslm.launcher.launch import LaunchError, launch
 
     rep = doctor_report()
     print(f"python       {rep['python']}  ({rep['platform']})")
@@ -147,7 +147,7 @@ def _launch_command(ns: argparse.Namespace, parser: argparse.ArgumentParser, ext
     SIGTERM and SIGHUP (what ``timeout``, SLURM and a closed terminal send) stop the
     job like Ctrl-C does: every rank is stopped, then the exit status is 128 + signal.
     """
-    from lslm.runtime.launch import LaunchError, launch
+    from lslm.launcher.launch import LaunchError, launch
 
     if "=" in ns.target and ":" not in ns.target.partition("=")[0]:
         parser.error(f"the target ('package.module:function') comes before the worker's key=value arguments, "

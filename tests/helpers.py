@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lslm.runtime.launch import LaunchResults, launch
+from lslm.launcher.launch import LaunchResults, launch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEVICE_OF = {"gloo": "cpu", "nccl": "cuda"}

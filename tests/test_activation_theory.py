@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+from lslm.demos.activation_check import run, table
+from lslm.demos.activation_check import serial_layer as _serial_layer
 from lslm.metrics.activation_theory import adapted_layer_bytes, format_terms, korthikanti_layer_bytes, layer_terms
-from lslm.tensor_parallel.activation_check import run, table
-from lslm.tensor_parallel.activation_check import serial_layer as _serial_layer
 from tests.helpers import backends, run_workers
 
 # GPT-3 175B's layer (Korthikanti et al. 2022, Table 3): s=2048, h=12288, a=96, micro-batch 1.
@@ -156,7 +156,7 @@ TP_SIZES = dict(s=64, b=2, h=64, a=4)  # t=4 leaves one head per rank: the whole
 def _tp(backend: str) -> tuple[dict[str, Any], ...]:
     # One launch of 4 processes measures t=4 and t=2 (two TP groups of 2), and at t=2 also sequence
     # parallelism without re-gathering.
-    return tuple(run_workers("lslm.tensor_parallel.activation_check:tp_worker", 4, backend=backend,
+    return tuple(run_workers("lslm.demos.activation_check:tp_worker", 4, backend=backend,
                              tps=[2, 4], modes=["tp", "sp", "sp-keep-gathered"], **TP_SIZES))
 
 

@@ -116,9 +116,9 @@ def test_collectives_bench_writes_what_it_prints(tmp_path, monkeypatch: pytest.M
         monkeypatch.delenv("RANK", raising=False)
         return [collectives.worker(**{k: v for k, v in kwargs.items() if k not in ("timeout", "output")})]
 
-    import lslm.runtime.launch  # noqa: F401 - the module (lslm.runtime.launch is also the function's name)
+    import lslm.launcher.launch  # noqa: F401 - the module (lslm.launcher.launch is also the function's name)
 
-    monkeypatch.setattr(sys.modules["lslm.runtime.launch"], "launch", launch_here)
+    monkeypatch.setattr(sys.modules["lslm.launcher.launch"], "launch", launch_here)
     buf = io.StringIO()
     with redirect_stdout(buf):
         res = collectives.run(nprocs=(1,), sizes=(4096, 65536), repeats=2, warmup=1, out_dir=tmp_path,

@@ -11,7 +11,7 @@ from lslm.bench import checks
 from lslm.bench.cli import BENCH_OPTIONS
 from lslm.cli import main
 
-launch_module = importlib.import_module("lslm.runtime.launch")  # the attribute lslm.runtime.launch is the function
+launch_module = importlib.import_module("lslm.launcher.launch")  # the attribute of that name is the function
 
 
 @pytest.fixture()
@@ -23,9 +23,11 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         calls.append((target, kw))
         return [{"ok": True}]
 
-    monkeypatch.setattr(launch_module, "launch", fake)
+    # Import launch_overhead before patching: imported after, it would bind the fake as its `launch`, and
+    # monkeypatch would then "restore" the fake there, leaking it into later tests (lslm bench launch).
     from lslm.bench import launch_overhead
 
+    monkeypatch.setattr(launch_module, "launch", fake)
     monkeypatch.setattr(launch_overhead, "launch", fake)
     return calls
 

@@ -16,7 +16,7 @@ import pytest
 
 from lslm.collectives import ALGORITHMS, KINDS, TIMEOUT_HINT, barrier_bytes, check_bytes, chunk_bounds, chunk_sizes
 from lslm.collectives.p2p import binomial_children, binomial_parent
-from lslm.runtime import LaunchError
+from lslm.launcher import LaunchError
 from tests.helpers import backends, nproc_backends, run_workers
 
 # 0 and 1 are edge cases (empty tensors; fewer elements than ranks, so empty chunks),
@@ -84,7 +84,7 @@ def test_every_collective_matches_torch_and_the_byte_formulas(nproc: int, backen
 
 # -- deadlock lesson ----------------------------------------------------------------------
 def test_blocking_ring_deadlocks_even_for_one_element_until_the_timeout() -> None:
-    res = run_workers("lslm.collectives.deadlock:blocking_ring", 2, numel=1, timeout_s=3, timeout=60)
+    res = run_workers("lslm.demos.collectives_demo:blocking_ring", 2, numel=1, timeout_s=3, timeout=60)
     for r in res:
         assert not r["completed"], r
         assert 2.5 < r["seconds"] < 15, r
@@ -94,7 +94,7 @@ def test_blocking_ring_deadlocks_even_for_one_element_until_the_timeout() -> Non
 
 
 def test_ordered_ring_completes_on_an_odd_ring() -> None:
-    res = run_workers("lslm.collectives.deadlock:ordered_ring", 3, numel=4096, timeout_s=10, timeout=60)
+    res = run_workers("lslm.demos.collectives_demo:ordered_ring", 3, numel=4096, timeout_s=10, timeout=60)
     assert all(r["completed"] and r["correct"] for r in res), res
 
 

@@ -23,8 +23,8 @@ import torch
 from lslm.data_parallel import accumulation as A
 from lslm.integrations import side_by_side as S
 from lslm.integrations.torchrun_file import shell_line, torchrun_file
+from lslm.launcher.launch_errors import LaunchError
 from lslm.recipes import ddp_script
-from lslm.runtime.launch_errors import LaunchError
 from tests.helpers import run_workers
 
 pytestmark = pytest.mark.usefixtures("lslm_cache")

@@ -24,13 +24,13 @@ WORKER = "lslm.exercises.row_parallel:worker"
 
 class ReduceFromTensorParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(fn, x, group):
         y = x.clone()
         dist.all_reduce(y, group=group)
         return y
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(fn, grad_output):
         return grad_output, None
 
 
@@ -40,12 +40,12 @@ def row_parallel_forward(x_local, weight_local, bias, group):
 
 class InPlaceReduce(torch.autograd.Function):  # Megatron's way: all-reduce the input in place and return it
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(fn, x, group):
         dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(fn, grad_output):
         return grad_output, None
 
 
@@ -55,11 +55,11 @@ def row_parallel_in_place(x_local, weight_local, bias, group):
 
 class ForgetsToReduce(torch.autograd.Function):  # (a) forward without the all-reduce
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(fn, x, group):
         return x.clone()
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(fn, grad_output):
         return grad_output, None
 
 
@@ -73,16 +73,16 @@ def bias_on_every_rank(x_local, weight_local, bias, group):  # (b) bias inside t
 
 class ReducesBothWays(torch.autograd.Function):  # (c) the backward all-reduces too
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(fn, x, group):
+        fn.group = group
         y = x.clone()
         dist.all_reduce(y, group=group)
         return y
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(fn, grad_output):
         grad = grad_output.clone()
-        dist.all_reduce(grad, group=ctx.group)
+        dist.all_reduce(grad, group=fn.group)
         return grad, None
 
 
@@ -92,17 +92,17 @@ def backward_reduces(x_local, weight_local, bias, group):
 
 class AveragesInBackward(torch.autograd.Function):  # right numbers (dy is replicated), a wasted all-reduce
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(fn, x, group):
+        fn.group = group
         y = x.clone()
         dist.all_reduce(y, group=group)
         return y
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(fn, grad_output):
         grad = grad_output.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad / dist.get_world_size(ctx.group), None
+        dist.all_reduce(grad, group=fn.group)
+        return grad / dist.get_world_size(fn.group), None
 
 
 def backward_averages(x_local, weight_local, bias, group):
@@ -121,13 +121,13 @@ def no_autograd_function(x_local, weight_local, bias, group):
 
 class WorldReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(fn, x, group):
         y = x.clone()
         dist.all_reduce(y)  # forgot group=group: the default group, every process
         return y
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(fn, grad_output):
         return grad_output, None
 
 
@@ -137,13 +137,13 @@ def reduces_over_world(x_local, weight_local, bias, group):
 
 class OneReturnValue(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(fn, x, group):
         y = x.clone()
         dist.all_reduce(y, group=group)
         return y
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(fn, grad_output):
         return grad_output  # forgets the None for group
 
 
@@ -159,11 +159,11 @@ class StubReduce(torch.autograd.Function):
     """g: forward sums x over group; backward passes the gradient through."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(fn, x, group):
         raise NotImplementedError
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(fn, grad_output):
         raise NotImplementedError
 
 

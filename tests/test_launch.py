@@ -22,9 +22,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lslm.runtime.launch import LaunchError, LaunchTimeout, launch
-from lslm.runtime.launch_errors import RankFailure, apply_exit_codes, clean_tail, order_failures
-from lslm.runtime.process_tree import is_alive
+from lslm.launcher.launch import LaunchError, LaunchTimeout, launch
+from lslm.launcher.launch_errors import RankFailure, apply_exit_codes, clean_tail, order_failures
+from lslm.launcher.process_tree import is_alive
 from tests.helpers import REPO_ROOT, run_workers
 
 GLOO = {"LSLM_BACKEND": "gloo", "LSLM_DEVICE": "cpu"}
@@ -38,7 +38,7 @@ def _lslm_workers_alive(marker: str) -> list[psutil.Process]:
     alive = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info.get("cmdline") or [])
-        if "lslm.runtime.worker" in cmd and marker in cmd:
+        if "lslm.launcher.worker" in cmd and marker in cmd:
             alive.append(p)
     return alive
 
@@ -209,7 +209,7 @@ def test_output_is_rank_prefixed(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_rank0_output_shows_only_rank_0(capsys: pytest.CaptureFixture[str]) -> None:
     # The filter the launcher applies to every line (a second launch would cost seconds).
-    from lslm.runtime.launch import _emit
+    from lslm.launcher.streams import emit as _emit
 
     lines: list[str] = []
     for line in ("[rank 0] sleeping 0.1 s", "[rank 1] sleeping 0.1 s", "[rank 10] x"):
@@ -239,7 +239,7 @@ def test_missing_argument_is_named_before_starting() -> None:
 
 @pytest.mark.parametrize("timeout", [None, math.inf, 0.5, 7])
 def test_timeout_none_or_inf_means_no_limit(timeout: float | None) -> None:
-    from lslm.runtime.launch_checks import timeout_seconds, validate
+    from lslm.launcher.launch_checks import timeout_seconds, validate
 
     assert validate("lslm.demos.smoke:echo", 2, timeout=timeout) == "lslm.demos.smoke:echo"
     assert timeout_seconds(timeout) == (math.inf if timeout is None else timeout)
@@ -284,7 +284,7 @@ Traceback (most recent call last):
   File "<frozen runpy>", line 198, in _run_module_as_main
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ======================================================
-lslm.runtime.worker FAILED
+lslm.launcher.worker FAILED
 ------------------------------------------------------
 Failures:
 [1]:
@@ -344,7 +344,7 @@ def test_error_message_layout() -> None:
 
 
 def test_a_second_interrupt_waits_for_the_clean_up() -> None:
-    from lslm.runtime.process_tree import deferred_signals
+    from lslm.launcher.process_tree import deferred_signals
 
     done = []
     with pytest.raises(KeyboardInterrupt):
@@ -396,7 +396,7 @@ def _module_of(p: psutil.Process) -> str:
     return cmd[cmd.index("-m") + 1] if "-m" in cmd else ""
 
 
-SLEEPERS = ("from lslm.runtime.launch import launch\n"
+SLEEPERS = ("from lslm.launcher.launch import launch\n"
             "launch('lslm.demos.smoke:sleep_forever', nproc={nproc}, nnodes={nnodes}, output='all', timeout=300, "
             "env={{'LSLM_BACKEND': 'gloo', 'LSLM_DEVICE': 'cpu'}})\n")
 READY = {"[rank 0] sleeping 3600.0 s", "[rank 1] sleeping 3600.0 s"}
@@ -411,8 +411,8 @@ def test_no_orphans_when_the_launching_python_is_killed() -> None:
     try:
         _wait_for(lines, READY)
         tree = psutil.Process(proc.pid).children(recursive=True)
-        agents = [p for p in tree if _module_of(p) == "lslm.runtime.agent"]
-        workers = [p for p in tree if _module_of(p) == "lslm.runtime.worker"]
+        agents = [p for p in tree if _module_of(p) == "lslm.launcher.agent"]
+        workers = [p for p in tree if _module_of(p) == "lslm.launcher.worker"]
         assert (len(agents), len(workers)) == (2, 2)
         folder = Path(workers[0].cmdline()[workers[0].cmdline().index("--result-dir") + 1])
         assert folder.is_dir()
@@ -462,7 +462,7 @@ def test_cli_launch_stops_every_rank_on_sigterm() -> None:
 
 def test_cli_launch_takes_worker_arguments_after_options(monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    launch_module = importlib.import_module("lslm.runtime.launch")  # the attribute lslm.runtime.launch is the function
+    launch_module = importlib.import_module("lslm.launcher.launch")  # the attribute of that name is the function
     from lslm.cli import main
 
     calls = []
@@ -477,7 +477,7 @@ def test_cli_launch_takes_worker_arguments_after_options(monkeypatch: pytest.Mon
 @pytest.mark.parametrize("outcome", ["passed", "failed", "crashed", "interrupted"])
 def test_exercise_checks_leave_no_temporary_folder(outcome: str, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    launch_module = importlib.import_module("lslm.runtime.launch")  # the attribute lslm.runtime.launch is the function
+    launch_module = importlib.import_module("lslm.launcher.launch")  # the attribute of that name is the function
     from lslm.exercises.core import run_check
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))

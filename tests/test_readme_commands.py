@@ -56,7 +56,7 @@ PP = "python -m lslm.recipes.pipeline --nproc 2 --pp 2 --schedule 1f1b --microba
 PRECISION = "python -m lslm.recipes.ddp --nproc 2 --precision fp16"
 MULTI_NODE = (".venv/bin/python -m torch.distributed.run --nnodes=N --nproc-per-node=GPUS_PER_NODE "
               "--rdzv-backend=c10d --rdzv-endpoint=HOST_OF_NODE_0:29500 --rdzv-id=myjob "
-              "-m lslm.runtime.worker --target lslm.demos.smoke:worker --args-file args.json --result-dir results/")
+              "-m lslm.launcher.worker --target lslm.demos.smoke:worker --args-file args.json --result-dir results/")
 
 #: run exactly as written
 AS_WRITTEN = {LAUNCH_SMOKE, "lslm launch --help", "lslm bench ddp --help"}
@@ -91,7 +91,7 @@ SKIP = {
     "make notebooks": f"re-executes every notebook in place (minutes, rewrites committed files); nbval runs "
                       f"them under `make test`; {_MAKE_DRY_RUN}",
     "make clean": f"deletes the environment this test runs in; {_MAKE_DRY_RUN}",
-    "make lint": f"ruff over the repository, the first step of `make test`; {_MAKE_DRY_RUN}",
+    "make lint": f"ruff and lint-imports over the repository, the first step of `make test`; {_MAKE_DRY_RUN}",
     'make test PYTEST_ARGS="tests/test_launch.py -x"': f"runs tests/test_launch.py, part of the suite; "
                                                        f"{_MAKE_DRY_RUN}",
     'make lab TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu126"':

@@ -1,5 +1,5 @@
 """lslm.metrics.step_time: the DDP step-time model, exactly, on hand-computed cases and limits;
-lslm.metrics.step_time_check: the measurement runs (one 2-process launch) and returns consistent fields.
+lslm.bench.step_time_check: the measurement runs (one 2-process launch) and returns consistent fields.
 
 No timing is asserted: only formulas, exact byte counts and the relations between fields.
 """
@@ -175,7 +175,7 @@ def test_bad_input_raises_value_error(call: Any) -> None:
 @functools.cache
 def _measured() -> tuple[dict[str, Any], dict[str, Any]]:
     from lslm.bench.ddp import QUICK_MODEL
-    from lslm.metrics.step_time_check import run
+    from lslm.bench.step_time_check import run
 
     return run(QUICK_MODEL, bucket_caps_mb=(0.05, 1.0), steps=2, warmup=1, comm_repeats=2)
 
@@ -205,7 +205,7 @@ def test_measurement_returns_consistent_fields() -> None:
 
 
 def test_run_checks_input_before_launching() -> None:
-    from lslm.metrics.step_time_check import run
+    from lslm.bench.step_time_check import run
 
     for kwargs in ({"nproc": 1}, {"bucket_caps_mb": (0,)}, {"bucket_caps_mb": ()}, {"steps": 0}):
         with pytest.raises(ValueError):

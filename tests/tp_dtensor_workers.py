@@ -11,18 +11,13 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
+from lslm.demos.dtensor_compare import compare_with_serial
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.runtime import init_distributed
 from lslm.runtime.context import ParallelContext
 from lslm.tensor_parallel.apply import apply_tensor_parallel
 from lslm.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from lslm.tensor_parallel.dtensor_reference import (
-    compare_with_serial,
-    dtensor_comm_counts,
-    dtensor_loss,
-    full_parameters,
-    parallelize_gpt,
-)
+from lslm.tensor_parallel.dtensor_reference import dtensor_comm_counts, dtensor_loss, full_parameters, parallelize_gpt
 from lslm.tensor_parallel.grads import sync_tensor_parallel_grads
 
 SEED, STEPS, ROWS, T = 1234, 3, 4, 16
@@ -168,7 +163,7 @@ def _counts(ctx: ParallelContext) -> dict[str, Any]:
 
 def suite(**_: Any) -> dict[str, Any]:
     """Every case on one launch (tp = world size): training equality, the two losses, communication counts,
-    and what notebook 05's cell prints (lslm.tensor_parallel.dtensor_reference.compare_with_serial)."""
+    and what notebook 05's cell prints (lslm.demos.dtensor_compare.compare_with_serial)."""
     import os
 
     with init_distributed(tp=int(os.environ["WORLD_SIZE"])) as ctx:

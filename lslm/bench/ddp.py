@@ -246,7 +246,7 @@ def run(nprocs: tuple[int, ...] = (2, 4), *, quick: bool = False, model: dict[st
     notebooks (structure and exact bytes are meaningful, timings are not). ``model``
     overrides the GPT sizes (``GPTConfig`` fields).
     """
-    from lslm.runtime.launch import launch
+    from lslm.launcher.launch import launch
 
     for mb in (bucket_cap_mb, *(sweep_mb or ())):
         cap_bytes(mb)  # before any process starts

@@ -23,7 +23,7 @@ def device_env(device: str, nproc: int = 1) -> dict[str, str]:
         raise ValueError(f"bench device must be one of {BENCH_DEVICES}, got {device!r}")
     env = {"cpu": {"LSLM_DEVICE": "cpu", "LSLM_BACKEND": "gloo"},
            "cuda": {"LSLM_DEVICE": "cuda", "LSLM_BACKEND": "nccl"}}.get(device, {})
-    from lslm.runtime.launch_checks import check_device_request
+    from lslm.launcher.launch_checks import check_device_request
 
     check_device_request(env, nproc)
     return env

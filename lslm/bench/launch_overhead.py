@@ -15,7 +15,7 @@ from typing import Any
 
 from lslm.bench.checks import at_least, world_sizes
 from lslm.harness import Report
-from lslm.runtime.launch import launch
+from lslm.launcher.launch import launch
 
 __all__ = ["main", "measure", "plot", "print_table"]
 

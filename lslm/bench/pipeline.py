@@ -288,7 +288,7 @@ def run(nprocs: tuple[int, ...] = (2, 4), microbatches: tuple[int, ...] = (4, 8)
     meaningful, timings are not). ``model`` overrides the GPT sizes. Raises ``ValueError``
     before any launch for sizes no pair can run.
     """
-    from lslm.runtime.launch import launch
+    from lslm.launcher.launch import launch
 
     nprocs = world_sizes(nprocs, 2, "a pipeline needs at least two stages")
     ms = tuple(microbatches)

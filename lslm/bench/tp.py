@@ -270,7 +270,7 @@ def run(nprocs: tuple[int, ...] = (2, 4), *, quick: bool = False, model: dict[st
     ``quick=True``: a tiny model and 3 timed steps, for tests and notebooks (structure,
     memory and counts are meaningful, timings are not). ``model`` overrides the GPT sizes.
     """
-    from lslm.runtime.launch import launch
+    from lslm.launcher.launch import launch
 
     nprocs = world_sizes(nprocs, 2, "tensor parallelism needs peers")
     if steps is not None:

@@ -19,22 +19,20 @@ Two fixes, both in :func:`ordered_ring`:
   does for every collective; on NCCL the batch is what keeps a 2-rank ring from
   deadlocking, see :func:`~lslm.collectives.p2p.post_pairs`).
 
-Both workers are launchable (``lslm.launch("lslm.collectives.deadlock:blocking_ring",
-nproc=2, numel=1, timeout_s=3)``) and return a JSON-ready dict per rank instead of
-raising, so a notebook can show the timeout as a result.
+The launch targets that run them, :func:`lslm.demos.collectives_demo.blocking_ring` and
+:func:`~lslm.demos.collectives_demo.ordered_ring` (``lslm.launch("lslm.demos.collectives_demo:blocking_ring",
+nproc=2, numel=1, timeout_s=3)``), return a JSON-ready dict per rank instead of raising, so a notebook can show
+the timeout as a result.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lslm.collectives.p2p import exchange, group_view
 from lslm.runtime.ledger import Comm
-from lslm.runtime.startup import init_distributed
 
 
 def blocking_ring_exchange(comm: Comm, numel: int, group: Any = None,
@@ -77,37 +75,3 @@ def ordered_ring_exchange(comm: Comm, numel: int, group: Any = None, mode: str =
         comm.recv(inp, left, group=group, label="ordered_ring")
         comm.send(out, right, group=group, label="ordered_ring")
     return inp
-
-
-def blocking_ring(numel: int = 1, timeout_s: float = 5.0) -> dict[str, Any]:
-    """Worker: run :func:`blocking_ring_exchange` with a ``timeout_s`` process group; report how it ended.
-
-    Returns ``{"rank", "world_size", "numel", "completed", "seconds", "error"}``:
-    ``completed`` is False and ``seconds`` is about ``timeout_s`` when the ring deadlocked.
-    """
-    ctx = init_distributed(timeout_s=timeout_s)
-    start = time.perf_counter()
-    try:
-        blocking_ring_exchange(ctx.comm, numel, device=ctx.device)
-        completed, error = True, ""
-    except RuntimeError as exc:
-        completed, error = False, str(exc).splitlines()[0][:300]
-    result = {"rank": ctx.rank, "world_size": ctx.world_size, "numel": numel, "completed": completed,
-              "seconds": time.perf_counter() - start, "error": error}
-    # No barrier before tearing down: the timed-out sends leave the group unusable.
-    dist.destroy_process_group()
-    return result
-
-
-def ordered_ring(numel: int = 1, timeout_s: float = 5.0, mode: str = "even_odd") -> dict[str, Any]:
-    """Worker: run :func:`ordered_ring_exchange`; report that it completed and got the left neighbour's data.
-
-    Returns ``{"rank", "world_size", "numel", "mode", "completed", "seconds", "correct"}``.
-    """
-    with init_distributed(timeout_s=timeout_s) as ctx:
-        start = time.perf_counter()
-        got = ordered_ring_exchange(ctx.comm, numel, mode=mode, device=ctx.device)
-        seconds = time.perf_counter() - start
-        left = (ctx.rank - 1) % ctx.world_size
-        return {"rank": ctx.rank, "world_size": ctx.world_size, "numel": numel, "mode": mode, "completed": True,
-                "seconds": seconds, "correct": bool(torch.all(got == left))}

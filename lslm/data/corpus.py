@@ -12,10 +12,11 @@ import functools
 import gzip
 import hashlib
 import os
-import tempfile
 from pathlib import Path
 
-__all__ = ["cache_dir", "corpus_path", "load_corpus_text", "corpus_sha256", "corpus_files", "atomic_write_bytes"]
+from lslm.runtime.files import atomic_write_bytes
+
+__all__ = ["cache_dir", "corpus_path", "load_corpus_text", "corpus_sha256", "corpus_files"]
 
 _CORPUS_NAME = "shakespeare"
 
@@ -44,33 +45,6 @@ def load_corpus_text() -> str:
 def corpus_sha256() -> str:
     """Hex sha256 of the decompressed corpus text: the cache key of everything derived from it."""
     return hashlib.sha256(load_corpus_text().encode("utf-8")).hexdigest()
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers never see a partial file.
-
-    Several ranks may build the same cache file at the same moment: each writes a
-    private temporary file in the same directory and renames it into place with
-    ``os.replace``, which is atomic on POSIX and Windows. The last writer wins, and
-    since every writer produces the same bytes, that is harmless.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        # mkstemp creates 0600 files; a shared cache should be readable like a normal file.
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        # Leave no stray temporary file behind if the write or the rename failed.
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def corpus_files(directory: str | os.PathLike[str] | None = None) -> list[Path]:

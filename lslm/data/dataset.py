@@ -19,8 +19,9 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 
-from lslm.data.corpus import atomic_write_bytes, cache_dir, corpus_files, corpus_sha256
+from lslm.data.corpus import cache_dir, corpus_files, corpus_sha256
 from lslm.data.tokenizer import MIN_VOCAB_SIZE, get_tokenizer, tokenizer_path
+from lslm.runtime.files import atomic_write_bytes
 
 __all__ = ["token_blocks", "batches", "num_batches", "next_token_batches"]
 

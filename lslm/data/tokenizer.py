@@ -15,7 +15,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from lslm.data.corpus import atomic_write_bytes, cache_dir, corpus_sha256, load_corpus_text
+from lslm.data.corpus import cache_dir, corpus_sha256, load_corpus_text
+from lslm.runtime.files import atomic_write_bytes
 
 __all__ = ["EOT_TOKEN", "MIN_VOCAB_SIZE", "get_tokenizer", "train_tokenizer", "tokenizer_path"]
 

@@ -25,7 +25,7 @@ from torch import nn
 from lslm.data.dataset import token_blocks
 from lslm.models.gpt import GPT, GPTConfig
 
-__all__ = ["accumulate", "check", "combinations", "flat_grad", "gbs_check", "gbs_worker", "reference_setup",
+__all__ = ["accumulate", "check", "combinations", "flat_grad", "gbs_check", "reference_setup",
            "serial_identity"]
 
 # fp32 gradients of the same mean taken in another summation order agree to a few ulps
@@ -128,14 +128,6 @@ def gbs_check(gbs: int = 8, **setup: Any) -> list[dict[str, Any]]:
         rows.append({"mbs": mbs, "k": k, "dp": dp, "loss": loss.item() / world_size, "rel_diff": _rel_diff(g, ref),
                      "ranks_equal": all(torch.equal(gathered[0], o) for o in gathered[1:])})
     return rows
-
-
-def gbs_worker(gbs: int = 8, **setup: Any) -> list[dict[str, Any]]:
-    """One rank of a launched job (``lslm.launch(..., nproc=2)``): join the group, run :func:`gbs_check`, leave."""
-    from lslm.runtime.startup import init_distributed
-
-    with init_distributed(device="cpu"):
-        return gbs_check(gbs, **setup)
 
 
 def check(rows: list[dict[str, Any]], tol: float = REL_TOL) -> None:

@@ -1,5 +1,18 @@
-"""Small workers the notebooks launch to show one thing each (not training recipes).
+"""Small workers the notebooks launch to show one thing each (not training recipes, not library code).
 
-``smoke`` (a 2-process all-reduce and a deliberate failure), ``processes`` (the
-torchrun environment, init methods), ``collectives_demo`` and ``data_parallel_demo``.
+Launch targets live here (or in :mod:`lslm.bench`), never inside library modules: ``make lint``'s layer contracts
+keep the library below them.
+
+* ``smoke`` - a 2-process all-reduce, a deliberate failure, a rank that sleeps (the launcher's tests, notebook 01);
+* ``processes`` - the torchrun environment and init methods (notebook 01);
+* ``collectives_demo`` - every lslm collective next to torch's with bytes counted, the deadlock lesson (02);
+* ``data_parallel_demo`` - single-process DataParallel on any device list (``python -m lslm.demos.data_parallel_demo``);
+* ``gradient_accumulation`` - gbs = mbs x k x dp across processes (04b);
+* ``tensor_parallel_demo`` - split matmuls, the MLP order, the qkv trap, per-layer traffic, SP drift, dropout
+  streams, a Hugging Face GPT-2 made tensor-parallel (05);
+* ``activation_check`` - one layer's saved activations measured next to Korthikanti et al.'s table (05);
+* ``dtensor_compare`` - serial, lslm and DTensor tensor parallelism on one tiny GPT (05);
+* ``pipeline_demo`` - schedules on processes, torch pipelining side by side (06);
+* ``precision_demo``, ``precision_costs``, ``precision_ranks`` - mixed precision, its costs, its agreement across
+  ranks (07).
 """

@@ -1,13 +1,15 @@
-"""Workers for notebook 02: run every lslm collective next to torch.distributed's and count bytes."""
+"""Workers for notebook 02: every lslm collective next to torch.distributed's, bytes counted; the deadlock lesson."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import lslm.collectives as C
+from lslm.collectives.deadlock import blocking_ring_exchange, ordered_ring_exchange
 from lslm.runtime import init_distributed
 
 
@@ -95,3 +97,39 @@ def ring_all_reduce_result(numel: int = 10) -> dict[str, Any]:
         x = torch.arange(numel, dtype=torch.float32, device=ctx.device) + 100 * ctx.rank
         C.all_reduce_ring(x, comm=ctx.comm)
         return {"rank": ctx.rank, "result": x.tolist()}
+
+
+def blocking_ring(numel: int = 1, timeout_s: float = 5.0) -> dict[str, Any]:
+    """Worker: run :func:`~lslm.collectives.deadlock.blocking_ring_exchange` with a ``timeout_s`` process group;
+    report how it ended.
+
+    Returns ``{"rank", "world_size", "numel", "completed", "seconds", "error"}``:
+    ``completed`` is False and ``seconds`` is about ``timeout_s`` when the ring deadlocked.
+    """
+    ctx = init_distributed(timeout_s=timeout_s)
+    start = time.perf_counter()
+    try:
+        blocking_ring_exchange(ctx.comm, numel, device=ctx.device)
+        completed, error = True, ""
+    except RuntimeError as exc:
+        completed, error = False, str(exc).splitlines()[0][:300]
+    result = {"rank": ctx.rank, "world_size": ctx.world_size, "numel": numel, "completed": completed,
+              "seconds": time.perf_counter() - start, "error": error}
+    # No barrier before tearing down: the timed-out sends leave the group unusable.
+    dist.destroy_process_group()
+    return result
+
+
+def ordered_ring(numel: int = 1, timeout_s: float = 5.0, mode: str = "even_odd") -> dict[str, Any]:
+    """Worker: run :func:`~lslm.collectives.deadlock.ordered_ring_exchange`; report that it completed and got the
+    left neighbour's data.
+
+    Returns ``{"rank", "world_size", "numel", "mode", "completed", "seconds", "correct"}``.
+    """
+    with init_distributed(timeout_s=timeout_s) as ctx:
+        start = time.perf_counter()
+        got = ordered_ring_exchange(ctx.comm, numel, mode=mode, device=ctx.device)
+        seconds = time.perf_counter() - start
+        left = (ctx.rank - 1) % ctx.world_size
+        return {"rank": ctx.rank, "world_size": ctx.world_size, "numel": numel, "mode": mode, "completed": True,
+                "seconds": seconds, "correct": bool(torch.all(got == left))}

@@ -100,8 +100,8 @@ def activation_bytes_by_mode(batch_size: int = 8, seed: int = 0, with_loss: bool
     rows = []
     for mode in ("fp32", "fp16", "bf16", "autocast bf16"):
         gpt = build_model(cfg).to(HALF_DTYPES.get(mode, torch.float32))
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if mode.startswith("autocast") else nullcontext()
-        with _SavedByKind(gpt) as act, ctx:
+        cast = torch.autocast("cpu", dtype=torch.bfloat16) if mode.startswith("autocast") else nullcontext()
+        with _SavedByKind(gpt) as act, cast:
             gpt(x, y if with_loss else None)
         rows.append({"mode": mode, "bytes": act.bytes, "by_dtype": act.by_dtype,
                      "weight_copy_bytes": act.weight_copy_bytes})

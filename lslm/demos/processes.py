@@ -37,9 +37,9 @@ def measure_gil(n: int = 3_000_000, workers: int = 2, repeats: int = 3) -> dict[
     """
     jobs = [n] * workers
     serial, threads, procs = [], [], []
-    ctx = mp.get_context("spawn")
+    spawn = mp.get_context("spawn")
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ppool, \
+    with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as ppool, \
             ThreadPoolExecutor(max_workers=workers) as tpool:
         list(ppool.map(_noop_arg, range(workers)))  # start and warm every process
         pool_start_s = time.perf_counter() - t0
@@ -66,11 +66,11 @@ def measure_start_methods(repeats: int = 5) -> dict[str, float]:
     """Median seconds to start and join one process that does nothing, per start method available here."""
     out = {}
     for method in mp.get_all_start_methods():
-        ctx = mp.get_context(method)
+        starter = mp.get_context(method)
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
-            p = ctx.Process(target=_noop)
+            p = starter.Process(target=_noop)
             p.start()
             p.join()
             times.append(time.perf_counter() - t)

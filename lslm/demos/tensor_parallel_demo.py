@@ -15,15 +15,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from lslm.models.gpt import GPT, GPTConfig
+from lslm.models.hf import build_hf_gpt2
 from lslm.runtime import init_distributed
 from lslm.tensor_parallel.apply import apply_tensor_parallel
-from lslm.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from lslm.tensor_parallel.cross_entropy import gather_logits, vocab_parallel_cross_entropy
 from lslm.tensor_parallel.grads import sync_tensor_parallel_grads
 from lslm.tensor_parallel.overlap import overlap_log, overlap_summary
 from lslm.tensor_parallel.qkv import qkv_rows
+from lslm.tensor_parallel.random import TENSOR_PARALLEL_RNG, model_parallel_seed
 
-__all__ = ["mlp_orders", "per_layer_traffic_worker", "qkv_trap", "sp_drift_worker", "split_matmul",
-           "split_matmul_worker"]
+__all__ = ["dropout_masks_worker", "hf_gpt2_logits_worker", "mlp_orders", "per_layer_traffic_worker", "qkv_trap",
+           "sp_drift_worker", "split_matmul", "split_matmul_worker"]
 
 
 def split_matmul(t: int = 2, seed: int = 0) -> dict[str, float]:
@@ -192,3 +194,44 @@ def sp_drift_worker(tp: int = 2, steps: int = 8, sync: bool = True, seed: int = 
             drift.append(worst.item())
             losses.append(loss.item())
         return {"drift": drift, "losses": losses, "replicated_params": sum(p.numel() for p in replicated)}
+
+
+def dropout_masks_worker(tp: int = 2, seed: int = 0, n: int = 16, p: float = 0.5) -> dict[str, Any]:
+    """Launch target for the notebook: this rank's dropout mask of ``n`` ones on each stream, as ``"1"/"0"``."""
+    with init_distributed(tp=tp) as ctx:
+        tracker = model_parallel_seed(ctx, seed)
+        ones = torch.ones(n, device=ctx.device)
+
+        def mask() -> str:
+            return "".join("1" if v else "0" for v in torch.nn.functional.dropout(ones, p).ne(0).tolist())
+
+        default = mask()
+        with tracker.fork(TENSOR_PARALLEL_RNG):
+            sharded = mask()
+        return {"rank": ctx.rank, "dp": ctx.dp_rank, "tp": ctx.tp_rank, "default": default,
+                TENSOR_PARALLEL_RNG: sharded}
+
+
+def hf_gpt2_logits_worker(tp: int = 2, vocab_size: int = 50257, n_layer: int = 2, n_head: int = 4, n_embd: int = 32,
+                          seq: int = 16, rows: int = 2) -> dict[str, Any]:
+    """Launch target: a Hugging Face GPT-2 made tensor-parallel, without and with sequence parallelism; the
+    gathered logits of each against the unsharded model's (the same seed, the same tokens)."""
+    with init_distributed(tp=tp) as ctx:
+        def build() -> nn.Module:
+            return build_hf_gpt2(vocab_size, seq, n_layer, n_head, n_embd, seed=0).to(ctx.device)
+
+        ref = build()
+        seeded = torch.Generator().manual_seed(1)
+        x = torch.randint(0, vocab_size, (rows, seq), generator=seeded).to(ctx.device)  # lslm: cpu-ok (then moved)
+        out: dict[str, Any] = {"rank": ctx.rank, "tp_rank": ctx.tp_rank}
+        with torch.no_grad():
+            want = ref(input_ids=x).logits
+            for key, sp in (("tp", False), ("sp", True)):
+                model = apply_tensor_parallel(build(), ctx, sequence_parallel=sp)
+                local = model(input_ids=x).logits
+                full = gather_logits(local, ctx, vocab_size)
+                out[key] = {"local_logits": list(local.shape), "logits": list(full.shape),
+                            "max_abs_diff": (full - want).abs().max().item()}
+        out["padded_vocab_size"] = model.tensor_parallel.padded_vocab_size
+        out["reference_logits"] = list(want.shape)
+        return out

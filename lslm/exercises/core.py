@@ -238,7 +238,7 @@ def run_checks(fns: Sequence[Callable[..., Any]], checker: str, world_size: int,
 def _launch(checker: str, world: int, folder: Path, module: str, names: str | list[str], shown: str,
             timeout: float, deadlock_s: float | None, checker_args: dict[str, Any]) -> Any:
     """One launch of ``checker``; rank 0's result, or a Verdict if the launch itself failed."""
-    from lslm.runtime.launch import LaunchError, LaunchTimeout, launch
+    from lslm.launcher.launch import LaunchError, LaunchTimeout, launch
 
     markers = folder / f"markers-{world}"
     markers.mkdir(exist_ok=True)

@@ -47,13 +47,13 @@ class ReferenceReduceFromTensorParallelRegion(torch.autograd.Function):
     """Our ``g``: forward sums ``x`` over ``group`` (all-reduce), backward passes the gradient through unchanged."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group):
+    def forward(fn, x: torch.Tensor, group):
         y = x.clone()  # all_reduce works in place: leave autograd's input as it was
         dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
         return y
 
     @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
+    def backward(fn, grad_output: torch.Tensor):
         return grad_output, None  # dL/dpartial_r = dL/dy, already whole on every rank; no gradient for group
 
 

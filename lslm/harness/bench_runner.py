@@ -1,6 +1,6 @@
 """The bench runner: variants side by side, interleaved, timed on every rank, reduced to the critical path.
 
-Rules every lslm benchmark follows (see DESIGN section 7):
+Rules every lslm benchmark follows:
 
 * **interleaved**: round ``i`` runs every variant once, in order, before round ``i + 1``;
   slow drifts of a shared machine (other jobs, thermal throttling) then hit all variants

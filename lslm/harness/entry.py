@@ -102,7 +102,7 @@ def launch_recipe(recipe: Recipe, nproc: int, *, runs: Sequence[dict[str, Any]] 
     Without ``runs``: ``worker`` with ``config(**kwargs)``; the result is one record per rank.
     With ``runs``: ``compare``, and ``result[rank][i]`` is run ``i``'s record.
     """
-    from lslm.runtime.launch import launch
+    from lslm.launcher.launch import launch
 
     for extra in runs or [{}]:
         recipe.validate(recipe.config(**{**kwargs, **extra}), nproc)

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lslm.data.corpus import atomic_write_bytes
 from lslm.harness.timer import Marks, StepTimer
 from lslm.metrics.memory import memory_report
 from lslm.runtime.context import ParallelContext
+from lslm.runtime.files import atomic_write_bytes
 from lslm.runtime.printing import progress, rank_print
 
 __all__ = ["REPORT_LABEL", "Built", "gather_summaries", "summarize", "train_loop", "write_run_log"]

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from lslm.data.corpus import atomic_write_bytes
+from lslm.runtime.files import atomic_write_bytes
 
 __all__ = ["Report"]
 

@@ -4,10 +4,10 @@
 each rank returned; a script written for ``torchrun script.py --flag value`` has no
 such function to call. :func:`torchrun_file` runs exactly that command line
 (``python -m torch.distributed.run`` is what the ``torchrun`` executable runs), on a free
-port, streams its output, and raises :class:`~lslm.runtime.launch_errors.LaunchError`
+port, streams its output, and raises :class:`~lslm.launcher.launch_errors.LaunchError`
 when torchrun exits with an error, so a notebook cell fails with the job (``!torchrun``
 in a cell would not). On a timeout or an interrupt every process of the job is stopped;
-torchrun runs inside :mod:`lslm.runtime.agent`, as for ``lslm.launch``, so it also dies with
+torchrun runs inside :mod:`lslm.launcher.agent`, as for ``lslm.launch``, so it also dies with
 this process.
 """
 
@@ -25,10 +25,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from lslm.runtime.launch import _drain, _finish_reading, _reader, torchrun_command
-from lslm.runtime.launch_checks import positive_int, timeout_seconds
-from lslm.runtime.launch_errors import LaunchError, LaunchTimeout
-from lslm.runtime.process_tree import deferred_signals, kill_tree
+from lslm.launcher.launch import torchrun_command
+from lslm.launcher.launch_checks import positive_int, timeout_seconds
+from lslm.launcher.launch_errors import LaunchError, LaunchTimeout
+from lslm.launcher.process_tree import deferred_signals, kill_tree
+from lslm.launcher.streams import drain, finish_reading, read_lines
 from lslm.runtime.startup import free_port
 
 __all__ = ["shell_line", "torchrun_file"]
@@ -60,7 +61,7 @@ def torchrun_file(script: str | os.PathLike[str], args: Sequence[str] = (), npro
     # the agent gets a parent-death signal and torchrun stops the workers; no orphans.
     # torchrun's log folders go into a folder of ours, removed on every exit path (by the agent if we die).
     logs = tempfile.mkdtemp(prefix="lslm-torchrun-")
-    agent = [sys.executable, "-m", "lslm.runtime.agent", "--parent", str(os.getpid()), "--launch-dir", logs, "--"]
+    agent = [sys.executable, "-m", "lslm.launcher.agent", "--parent", str(os.getpid()), "--launch-dir", logs, "--"]
     cmd = [*agent, *torchrun_command(nproc, port=free_port(), log_dir=logs)[3:], str(path), *map(str, args)]
     lines: list[str] = []
     q: queue.Queue[str | None] = queue.Queue()
@@ -68,7 +69,7 @@ def torchrun_file(script: str | os.PathLike[str], args: Sequence[str] = (), npro
     with deferred_signals():  # a Ctrl-C right now must not leave a started agent untracked
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 text=True, bufsize=1, env=full_env, start_new_session=True)
-        threading.Thread(target=_reader, args=(proc, q), daemon=True).start()
+        threading.Thread(target=read_lines, args=(proc, q), daemon=True).start()
     start = time.perf_counter()
     try:
         # Print from this thread: in Jupyter, output printed by other threads can land in another cell.
@@ -76,9 +77,9 @@ def torchrun_file(script: str | os.PathLike[str], args: Sequence[str] = (), npro
             if time.perf_counter() - start > limit:
                 raise LaunchTimeout(f"{path.name} on {nproc} processes did not finish within {limit:g} s; "
                                     "all its processes were stopped", output="\n".join(lines))
-            _drain(q, lines, output)
+            drain(q, lines, output)
             time.sleep(0.02)
-        _finish_reading(q, lines, output, 1)
+        finish_reading(q, lines, output, 1)
         code = proc.returncode
     finally:
         if proc.poll() is None:

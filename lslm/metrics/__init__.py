@@ -1,5 +1,28 @@
-"""Measurement: memory accounting by owner and device (CPU and CUDA alike), next to the theory formulas."""
+"""lslm.metrics: what memory, time and communication cost, measured and predicted by formula.
 
+Measurement (CPU and CUDA alike; :mod:`.memory` is the entry point and re-exports the memory tools):
+
+* :mod:`.memory` - :func:`memory_report` (process RSS, ``torch.cuda`` statistics, the rest below in one view);
+* :mod:`.model_state` - :func:`model_state_bytes`, exact bytes of parameters, gradients and optimizer states,
+  next to the ZeRO paper's formulas (:func:`theory_model_state_bytes`);
+* :mod:`.activations` - :class:`ActivationMemory`, the bytes autograd saves for backward;
+* :mod:`.owners` / :mod:`.breakdown` - :func:`memory_by_owner`, bytes by owner (parameters, gradients, master
+  weights, main grads, optimizer states, communication buffers, activations) x device, resident and logical;
+* :mod:`.storage` - the counting rule they share (one storage counted once).
+
+Formulas (pure functions, no processes):
+
+* :mod:`.activation_theory` - one transformer layer's activation bytes, Korthikanti et al. (2022) Table 2;
+* :mod:`.step_time` - bucketed DDP's step time: ring all-reduce cost, overlap with backward, where it turns
+  communication-bound (:func:`predict_step`, :class:`LinkCost`);
+* :mod:`.collective_costs` - the alpha-beta-gamma model of every lslm collective: coefficients, fit, prediction.
+
+The measurements that check the formulas are launched experiments, one layer up: ``lslm.bench.step_time_check``
+and ``lslm.demos.activation_check``.
+"""
+
+from lslm.metrics.activation_theory import korthikanti_layer_bytes, layer_terms
+from lslm.metrics.collective_costs import cost_coefficients, fit_alpha_beta, model_time
 from lslm.metrics.memory import (
     CATEGORIES,
     ActivationMemory,
@@ -17,21 +40,31 @@ from lslm.metrics.memory import (
     reset_peak_memory,
     theory_model_state_bytes,
 )
+from lslm.metrics.step_time import LinkCost, StepPrediction, predict_step, ring_all_reduce_s
 
 __all__ = [
     "CATEGORIES",
     "ActivationMemory",
+    "LinkCost",
     "MemoryBreakdown",
     "MemoryOwner",
     "MemoryRegistry",
     "MemoryReport",
     "ModelStateBytes",
+    "StepPrediction",
+    "cost_coefficients",
+    "fit_alpha_beta",
     "format_bytes",
+    "korthikanti_layer_bytes",
+    "layer_terms",
     "memory_by_owner",
     "memory_report",
     "model_state_bytes",
+    "model_time",
     "peak_rss_bytes",
+    "predict_step",
     "process_rss_bytes",
     "reset_peak_memory",
+    "ring_all_reduce_s",
     "theory_model_state_bytes",
 ]

@@ -14,7 +14,7 @@ other byte widths, ``act_bytes``/``mask_bytes``).
 
 **What lslm's block actually saves** (:func:`layer_terms`, one :class:`ActivationTerm` per
 saved tensor, read from the autograd graph with saved-tensor hooks on torch 2.13 CPU;
-``lslm.tensor_parallel.activation_check`` measures it). The terms map one to one onto
+``lslm.demos.activation_check`` measures it). The terms map one to one onto
 the paper's, except where noted:
 
 * dtypes: we run fp32, so every activation is ``act_bytes=4``. On CPU, dropout is

@@ -1,6 +1,6 @@
 """A step-time model for bucketed DDP: alpha-beta(-gamma) all-reduce costs plus overlap with backward.
 
-Pure functions (no processes, no tensors); :mod:`lslm.metrics.step_time_check` measures the
+Pure functions (no processes, no tensors); :mod:`lslm.bench.step_time_check` measures the
 same quantities on real processes and compares.
 
 **All-reduce of one bucket** of ``S`` bytes on ``n`` ranks, ring algorithm (notebook 02)::
@@ -70,7 +70,8 @@ class LinkCost:
 
     @classmethod
     def from_fit(cls, fit: dict[str, Any]) -> LinkCost:
-        """From a fit dict of :func:`lslm.bench.collectives.fit_alpha_beta` (``bench/results/collectives.json``)."""
+        """From a fit dict of :func:`lslm.metrics.collective_costs.fit_alpha_beta` (as in
+        ``bench/results/collectives.json``)."""
         return cls(float(fit["alpha_s"]), float(fit["beta_s_per_byte"]), float(fit.get("gamma_s_per_byte", 0.0)))
 
 

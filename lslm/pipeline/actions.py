@@ -32,10 +32,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["COMM_KINDS", "COMPUTE_KINDS", "Action", "format_actions", "parse_action"]
+__all__ = ["COMM_KINDS", "COMPUTE_KINDS", "DEFAULT_COSTS", "Action", "format_actions", "parse_action"]
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+#: Relative time of each compute kind, the one default of the simulator and of the timed comm plan: a full
+#: backward costs two forwards (one matmul for the input gradient, one for the weight gradient), and the
+#: zero-bubble split gives each half one forward's cost.
+DEFAULT_COSTS: dict[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
 @dataclass(frozen=True, order=True)

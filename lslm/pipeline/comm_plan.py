@@ -4,7 +4,7 @@ The executor posts each maximal run of consecutive communication actions as **on
 ``batch_isend_irecv`` and, when the run has a receive, waits for all of it before the next compute.
 Two plans (``PipelineSchedule.comm_plan``):
 
-``"jit"`` (the default; PIPELINE_SPEC "comm_plan.py"):
+``"jit"`` (the default, just in time):
 
 * ``RECV_F(s, mb)`` immediately before ``F(s, mb)`` when stage ``s - 1`` lives on another rank;
 * ``SEND_F(s, mb)`` immediately after ``F(s, mb)`` when stage ``s + 1`` lives on another rank;
@@ -28,14 +28,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from lslm.pipeline.actions import Action
+from lslm.pipeline.actions import DEFAULT_COSTS, Action
 
-if TYPE_CHECKING:
-    from lslm.pipeline.schedules import PipelineSchedule
+__all__ = ["COMM_PLANS", "ScheduleLike", "add_communication", "comm_batches", "ideal_times", "peer_of", "timed_plan"]
 
-__all__ = ["COMM_PLANS", "add_communication", "comm_batches", "ideal_times", "peer_of", "timed_plan"]
+
+class ScheduleLike(Protocol):
+    """What a plan reads of a schedule: :class:`lslm.pipeline.schedules.PipelineSchedule` is one.
+
+    A protocol rather than an import, so that the schedules build on this module and not the other way round.
+    """
+
+    @property
+    def num_ranks(self) -> int: ...
+
+    @property
+    def num_stages(self) -> int: ...
+
+    @property
+    def stage_to_rank(self) -> tuple[int, ...]: ...
+
+    @property
+    def compute(self) -> tuple[tuple[Action, ...], ...]: ...
+
+    @property
+    def comm_plan(self) -> str: ...
 
 
 def _insert(compute: Sequence[Action], stage_to_rank: Sequence[int], rank: int) -> list[Action]:
@@ -63,10 +82,9 @@ def _insert(compute: Sequence[Action], stage_to_rank: Sequence[int], rank: int) 
 
 
 COMM_PLANS = ("jit", "timed")
-PLAN_COSTS: dict[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
-def add_communication(schedule: PipelineSchedule, rank: int) -> list[Action]:
+def add_communication(schedule: ScheduleLike, rank: int) -> list[Action]:
     """``rank``'s compute actions of ``schedule`` with send/receive actions inserted, by ``schedule.comm_plan``.
 
     ``"jit"`` is the module doc's rule. ``"timed"`` (:func:`timed_plan`) keeps the sends right after their
@@ -91,14 +109,14 @@ def _producer(a: Action, last: int) -> list[tuple[str, int, int]]:
     return [("I", a.stage, a.mb)]
 
 
-def ideal_times(schedule: PipelineSchedule, costs: dict[str, float] | None = None
+def ideal_times(schedule: ScheduleLike, costs: dict[str, float] | None = None
                 ) -> list[list[tuple[float, float]]] | None:
     """(start, end) of every compute action when messages are free and never wait for a receiver.
 
     Each rank runs its list in order; an action starts once the rank is free and its inputs exist. ``None`` when
     some action waits for an input that never comes (the compute order itself is invalid).
     """
-    c = {**PLAN_COSTS, **(costs or {})}
+    c = {**DEFAULT_COSTS, **(costs or {})}
     last = schedule.num_stages - 1
     p = schedule.num_ranks
     done: dict[tuple[str, int, int], float] = {}
@@ -125,7 +143,7 @@ def ideal_times(schedule: PipelineSchedule, costs: dict[str, float] | None = Non
 
 
 @lru_cache(maxsize=64)
-def timed_plan(schedule: PipelineSchedule) -> tuple[tuple[Action, ...], ...]:
+def timed_plan(schedule: ScheduleLike) -> tuple[tuple[Action, ...], ...]:
     """Every rank's actions with each message placed where both ends are free in the ideal timeline.
 
     Take the ideal timeline (:func:`ideal_times`, default costs). A rank's comm run between two computes is

@@ -30,8 +30,8 @@ The paper asks ``m >= p`` (``m >= d``); :func:`version_plan` checks any ``(p, m)
 that with the forward-first 1F1B order ``m = p - 1`` would still fit in two versions.
 
 **Steady state on rank r** (``w = p - 1 - r`` warm-up forwards): ``F(j + w)``, then ``B(j)``, then,
-if ``j`` is the last micro-batch of its batch, the update; communication by the spec's rule
-(:mod:`lslm.pipeline.comm_plan`): after ``F`` one batch ``SEND_F(j + w); RECV_B(j)`` to the
+if ``j`` is the last micro-batch of its batch, the update; communication by the just-in-time
+rule of :mod:`lslm.pipeline.comm_plan`: after ``F`` one batch ``SEND_F(j + w); RECV_B(j)`` to the
 next rank, after ``B`` one batch ``SEND_B(j); RECV_F(j + w + 1)`` to the previous (Megatron's
 ``send_forward_recv_backward`` / ``send_backward_recv_forward``). It is exactly the
 ``"1f1b"`` schedule over the ``N * m`` micro-batches of ``N`` batches, flushed once at the end.
@@ -311,7 +311,7 @@ def run_2bw(model: GPT, ctx: ParallelContext, batches: Sequence[tuple[torch.Tens
             if any(c.kind.startswith("RECV") for c in run):
                 for w in works:  # the next compute needs the received data
                     w.wait()
-            else:  # send-only: waited once complete, at the end at the latest (the spec's executor rule)
+            else:  # send-only: waited once complete, at the end at the latest (the executor's rule)
                 pending += [(w, tensors) for w in works]
             pending = _wait_completed(pending)
             i = j

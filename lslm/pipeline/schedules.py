@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lslm.pipeline.actions import Action
+from lslm.pipeline.comm_plan import add_communication
 
 __all__ = ["SCHEDULES", "PipelineSchedule", "build_schedule", "check_schedule_config", "schedule_from_lists",
            "stage_to_rank_map"]
@@ -30,7 +31,7 @@ class PipelineSchedule:
 
     ``stage_to_rank[s]`` is the rank holding virtual stage ``s`` (``num_ranks * stages_per_rank`` stages).
     ``comm_plan`` says where :meth:`actions` puts the sends and receives (:mod:`lslm.pipeline.comm_plan`):
-    ``"jit"`` (the spec's rule) or ``"timed"`` (interleaved and DualPipeV, where ``"jit"`` deadlocks).
+    ``"jit"`` (just in time, next to the compute) or ``"timed"`` (interleaved and DualPipeV, where ``"jit"`` deadlocks).
     """
 
     name: str
@@ -52,8 +53,6 @@ class PipelineSchedule:
 
     def actions(self, rank: int) -> list[Action]:
         """Rank ``rank``'s compute actions with the send/receive actions inserted (``comm_plan.add_communication``)."""
-        from lslm.pipeline.comm_plan import add_communication
-
         return add_communication(self, rank)
 
     def __str__(self) -> str:
@@ -282,7 +281,7 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, virtual_sta
     check_schedule_config(name, num_ranks, num_microbatches, virtual_stages)
     s2r = stage_to_rank_map(name, num_ranks, virtual_stages)
     compute = _GENERATORS[name](num_ranks, num_microbatches, virtual_stages, s2r)
-    # The spec's just-in-time comm rule deadlocks for the looped and V placements under strict NCCL matching
+    # The just-in-time comm rule deadlocks for the looped and V placements under strict NCCL matching
     # (lslm.pipeline.comm_plan); those two post receives when the data is sent instead.
     plan = "timed" if name in ("interleaved", "dualpipev") else "jit"
     return PipelineSchedule(name, num_ranks, num_microbatches, virtual_stages, s2r,

@@ -31,14 +31,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lslm.pipeline.actions import Action
+from lslm.pipeline.actions import DEFAULT_COSTS, Action
 from lslm.pipeline.comm_plan import comm_batches, ideal_times, peer_of
 from lslm.pipeline.schedules import PipelineSchedule
 from lslm.pipeline.timeline import Event, Timeline
 
 __all__ = ["DEFAULT_COSTS", "SimResult", "format_grid", "ideal_timeline", "simulate", "time_grid"]
 
-DEFAULT_COSTS: dict[str, float] = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
 @dataclass

@@ -14,6 +14,8 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
+from lslm.metrics.collective_costs import cost_coefficients, model_time
+
 __all__ = ["fit_errors", "plot_collectives"]
 
 _MIB = 1024 * 1024
@@ -27,8 +29,6 @@ def fit_errors(result: dict[str, Any]) -> dict[str, float]:
     ``result`` is one world size of :func:`lslm.bench.collectives.run` (``rows`` and ``fit``);
     only lslm's algorithms are fitted, so only they are scored. ``"all"`` is the median over every row.
     """
-    from lslm.bench.collectives import model_time
-
     errs: dict[str, list[float]] = {}
     for r in result["rows"]:
         if r["algorithm"].startswith("torch."):
@@ -74,8 +74,6 @@ def _busbw_panel(ax: Any, rows: list[dict[str, Any]], n: int, backend: str) -> N
 
 def _kind_panel(ax: Any, result: dict[str, Any], kind: str, n: int, err: float) -> None:
     from matplotlib.lines import Line2D
-
-    from lslm.bench.collectives import cost_coefficients, model_time
 
     fit, i, handles = result["fit"], 0, []
     seen: dict[tuple[float, float, float], str] = {}  # model coefficients already drawn -> by whom

@@ -8,13 +8,14 @@
   (tensor parallel innermost).
 * :class:`Comm` / :class:`CommLedger` - recorded collectives and p2p: bytes, axis, label,
   issue and completion times.
-* :func:`launch` - start a torchrun job from a notebook, get results or a clear error.
 * :func:`rank_print` / :func:`progress` - rank-0 printing and progress bars.
+
+Launching jobs (``lslm.launch``) is :mod:`lslm.launcher`, a layer above this one; atomic file writes are
+:mod:`lslm.runtime.files`.
 """
 
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import AXES, Coords, RankGrid, resolve_sizes
-from lslm.runtime.launch import LaunchError, LaunchResults, LaunchTimeout, launch, torchrun_command
 from lslm.runtime.ledger import Comm, CommLedger, CommRecord, bus_factor
 from lslm.runtime.printing import progress, rank_print
 from lslm.runtime.startup import (
@@ -27,8 +28,7 @@ from lslm.runtime.startup import (
 )
 
 __all__ = [
-    "AXES", "Comm", "CommLedger", "CommRecord", "Coords", "LaunchError", "LaunchResults", "LaunchTimeout",
-    "ParallelContext", "RankEnv", "RankGrid", "bus_factor", "choose_device_and_backend", "free_port",
-    "init_distributed", "launch", "progress", "rank_print", "resolve_sizes", "seed_everything", "synchronize",
-    "torchrun_command",
+    "AXES", "Comm", "CommLedger", "CommRecord", "Coords", "ParallelContext", "RankEnv", "RankGrid", "bus_factor",
+    "choose_device_and_backend", "free_port", "init_distributed", "progress", "rank_print", "resolve_sizes",
+    "seed_everything", "synchronize",
 ]

@@ -12,8 +12,10 @@
 * :mod:`.clip` - global-norm clipping over TP shards (replicated parameters counted once), DP-only averaging;
 * :mod:`.checkpoint` - checkpoints that stay tensor-parallel, and their gather to the serial layout;
 * :mod:`.overlap` - the input-gradient all-reduce hidden behind the weight gradient, measured from the ledger;
-* :mod:`.activation_check` - saved-for-backward bytes per layer against :mod:`lslm.metrics.activation_theory`;
 * :mod:`.dtensor_reference` - the same GPT under PyTorch DTensor, for side-by-sides.
+
+The experiments notebook 05 launches live in :mod:`lslm.demos` (``tensor_parallel_demo``, ``activation_check``,
+``dtensor_compare``).
 """
 
 from lslm.tensor_parallel.apply import TPInfo, apply_tensor_parallel, gpt_plan, plan_for

@@ -16,8 +16,8 @@ weights. The model's ``forward`` is untouched: lslm's GPT reads its local head c
 * ``model.tensor_parallel`` holds a :class:`TPInfo` (sizes, options) for the loss,
   checkpoints and clipping.
 
-Plans for lslm's GPT come from :func:`gpt_plan`; Hugging Face GPT-2 and Llama plans are
-registered by :mod:`lslm.tensor_parallel.hf_plans`.
+Plans for lslm's GPT come from :func:`gpt_plan`; Hugging Face GPT-2 and Llama plans from
+:mod:`lslm.tensor_parallel.hf_plans` (which knows nothing of this module: :data:`PLAN_BUILDERS` lists them).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from torch import nn
 
 from lslm.models.gpt import GPT
 from lslm.runtime.context import ParallelContext
+from lslm.tensor_parallel.hf_plans import gpt2_plan, is_hf_gpt2, is_hf_llama, llama_plan
 from lslm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark
 from lslm.tensor_parallel.mappings import split_along
 from lslm.tensor_parallel.plan import (
@@ -66,10 +67,6 @@ class TPInfo:
         return self.options.sequence_parallel
 
 
-#: ``(predicate, plan builder)`` pairs tried in order by :func:`plan_for` (other modules append theirs).
-PLAN_BUILDERS: list[tuple[Callable[[nn.Module], bool], Callable[[nn.Module], TPPlan]]] = []
-
-
 def _slice_positions(pctx: ParallelContext) -> Callable[..., torch.Tensor]:
     def hook(_module: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
         # (T, C) position embeddings -> this rank's positions: the residual stream holds only them.
@@ -101,14 +98,16 @@ def gpt_plan(model: nn.Module) -> TPPlan:
     )
 
 
-PLAN_BUILDERS.append((lambda m: isinstance(m, GPT), gpt_plan))
+#: ``(predicate, plan builder)`` pairs tried in order by :func:`plan_for`; append one to teach it another model.
+PLAN_BUILDERS: list[tuple[Callable[[nn.Module], bool], Callable[[nn.Module], TPPlan]]] = [
+    (lambda m: isinstance(m, GPT), gpt_plan),
+    (is_hf_gpt2, gpt2_plan),
+    (is_hf_llama, llama_plan),
+]
 
 
 def plan_for(model: nn.Module) -> TPPlan:
-    """The registered plan for ``model``'s type (lslm GPT; Hugging Face GPT-2 and Llama once
-    :mod:`lslm.tensor_parallel.hf_plans` is imported)."""
-    import lslm.tensor_parallel.hf_plans  # noqa: F401  (registers its builders)
-
+    """The plan :data:`PLAN_BUILDERS` gives for ``model``'s type (lslm GPT, Hugging Face GPT-2 and Llama)."""
     for matches, build in PLAN_BUILDERS:
         if matches(model):
             return build(model)

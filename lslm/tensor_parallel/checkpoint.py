@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lslm.data.corpus import atomic_write_bytes
 from lslm.runtime.context import ParallelContext
+from lslm.runtime.files import atomic_write_bytes
 from lslm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from lslm.tensor_parallel.plan import Colwise, Rowwise, TPPlan, VocabEmbedding, VocabHead
 from lslm.tensor_parallel.qkv import qkv_permutation

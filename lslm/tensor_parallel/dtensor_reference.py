@@ -57,14 +57,13 @@ The model code is not edited, so some choices follow from it:
 
 ``wte`` is sharded by vocabulary rows as torchtitan does (``RowwiseParallel``, replicated
 token ids: each rank looks up the tokens it owns, the partial outputs are summed); it works
-on gloo. ``shard_embedding=False`` keeps it replicated. :func:`compare_worker` is the
-launchable side-by-side (serial, lslm, DTensor) the notebook runs.
+on gloo. ``shard_embedding=False`` keeps it replicated. The launchable side-by-side
+(serial, lslm, DTensor) that notebook 05 runs is :mod:`lslm.demos.dtensor_compare`.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections import Counter
 from contextlib import nullcontext
 from typing import Any
 
@@ -86,7 +85,7 @@ from lslm.models.gpt import GPT
 from lslm.runtime.context import ParallelContext
 from lslm.tensor_parallel.qkv import qkv_permutation
 
-__all__ = ["COLLECTIVE_NAMES", "compare_with_serial", "compare_worker", "dtensor_comm_counts", "dtensor_loss",
+__all__ = ["COLLECTIVE_NAMES", "dtensor_comm_counts", "dtensor_loss",
            "dtensor_plan", "full_parameters", "parallelize_gpt", "permute_fused_qkv"]
 
 
@@ -275,75 +274,3 @@ def dtensor_comm_counts(model: GPT, idx: torch.Tensor, targets: torch.Tensor,
     for _, _, op, _ in mode.records:
         total[op] = total.get(op, 0) + 1
     return {"total": total, "by_owner": by_owner, "elements": elements, "per_layer": layers[0]}
-
-
-def compare_with_serial(ctx: ParallelContext, steps: int = 3, seed: int = 0) -> dict[str, Any]:
-    """A tiny GPT trained serially, with lslm TP and with DTensor TP over ``ctx``'s TP group.
-
-    ``steps`` SGD-momentum steps from one seed on the same batches, with sequence
-    parallelism ``"off"`` and ``"on"``. For each: the largest loss difference of each
-    parallel model from the serial one, DTensor's largest final weight difference, and one
-    transformer layer's collectives in one step, by lslm's ledger and by ``CommDebugMode``
-    (:func:`dtensor_comm_counts`), as ``{"op phase": calls}``. Empties ``ctx.comm.ledger``.
-    """
-    from lslm.models.gpt import GPTConfig
-    from lslm.tensor_parallel.apply import apply_tensor_parallel
-    from lslm.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-    from lslm.tensor_parallel.grads import sync_tensor_parallel_grads
-
-    cfg = GPTConfig.tiny(vocab_size=256)
-    g = torch.Generator().manual_seed(seed)
-    data = [torch.randint(0, cfg.vocab_size, (4, 17),
-                          generator=g).to(ctx.device)  # lslm: cpu-ok (seeded, then moved)
-            for _ in range(steps)]
-
-    def train(kind: str, sp: bool = False) -> tuple[GPT, list[float]]:
-        torch.manual_seed(seed)
-        model = GPT(cfg).to(ctx.device)
-        if kind != "serial":
-            model = (apply_tensor_parallel if kind == "lslm" else parallelize_gpt)(model, ctx, sequence_parallel=sp)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=False)
-        losses = []
-        for x, y in ((tok[:, :-1], tok[:, 1:]) for tok in data):
-            opt.zero_grad()
-            if kind == "dtensor":
-                loss = dtensor_loss(model, x, y, backward=True)
-            else:
-                loss = (vocab_parallel_cross_entropy(model(x)[0], y, ctx, vocab_size=cfg.vocab_size)
-                        if kind == "lslm" else model(x, y)[1])
-                loss.backward()
-                sync_tensor_parallel_grads(model, ctx)  # nothing to do for the serial model
-            opt.step()
-            losses.append(loss.item())
-        return model, losses
-
-    serial, want = train("serial")
-    ref, out = dict(serial.named_parameters()), {"tp": ctx.tp_size}
-    for sp in (False, True):
-        ctx.comm.ledger.reset()
-        _, ours = train("lslm", sp)
-        first = ctx.comm.ledger.records[: len(ctx.comm.ledger.records) // steps]  # one step's records
-        # "blocks.0.attn.c_attn regather bwd" -> "all_gather regather bwd"
-        mine = Counter(f"{r.op} {r.label.split(' ', 1)[1]}" for r in first if r.label.startswith("blocks.0."))
-        model, theirs = train("dtensor", sp)
-        got = full_parameters(model)
-        found = dtensor_comm_counts(model, data[0][:, :-1], data[0][:, 1:])
-        out["on" if sp else "off"] = {
-            "lslm_vs_serial": max(abs(a - b) for a, b in zip(ours, want)),
-            "dtensor_vs_serial": max(abs(a - b) for a, b in zip(theirs, want)),
-            "dtensor_weights_vs_serial": max((got[n] - p.detach()).abs().max().item() for n, p in ref.items()),
-            "lslm_layer": dict(sorted(mine.items())),
-            "dtensor_layer": dict(sorted((f"{op} {ph[0]}wd", n)  # forward -> fwd, backward -> bwd
-                                         for ph, ops in found["per_layer"].items() for op, n in ops.items())),
-        }
-    return out
-
-
-def compare_worker(steps: int = 3, seed: int = 0) -> dict[str, Any]:
-    """Launch target (tp = world size) running :func:`compare_with_serial`; what notebook 05 launches."""
-    import os
-
-    from lslm.runtime import init_distributed
-
-    with init_distributed(tp=int(os.environ.get("WORLD_SIZE", "1")), seed=seed) as ctx:
-        return compare_with_serial(ctx, steps, seed)

@@ -1,7 +1,7 @@
 """Tensor-parallel plans for Hugging Face ``GPT2LMHeadModel`` and ``LlamaForCausalLM``, applied from outside.
 
-Importing this module registers both in :data:`lslm.tensor_parallel.apply.PLAN_BUILDERS`, so
-``apply_tensor_parallel(model, ctx)`` works on the models :mod:`lslm.models.hf` builds.
+:data:`lslm.tensor_parallel.apply.PLAN_BUILDERS` lists both, so ``apply_tensor_parallel(model, ctx)`` works on
+the models :mod:`lslm.models.hf` builds.
 The layout is Megatron's (Shoeybi et al. 2019, Section 3): attention split by heads,
 the MLP column-then-row, the vocabulary split over ranks in the embedding and the head.
 
@@ -47,7 +47,6 @@ import torch
 from torch import nn
 
 from lslm.runtime.context import ParallelContext
-from lslm.tensor_parallel.apply import PLAN_BUILDERS
 from lslm.tensor_parallel.layers import ColumnParallelLinear
 from lslm.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
@@ -56,7 +55,7 @@ from lslm.tensor_parallel.mappings import (
 )
 from lslm.tensor_parallel.plan import Colwise, Rowwise, SequenceSharded, TPOptions, TPPlan, VocabEmbedding, VocabHead
 
-__all__ = ["gpt2_plan", "hf_gpt2_logits_worker", "is_hf_gpt2", "is_hf_llama", "llama_plan"]
+__all__ = ["gpt2_plan", "is_hf_gpt2", "is_hf_llama", "llama_plan"]
 
 
 def _is_transformers(model: nn.Module, name: str) -> bool:
@@ -226,38 +225,3 @@ def llama_plan(model: nn.Module) -> TPPlan:
         tied=("lm_head", "model.embed_tokens") if model.lm_head.weight is model.model.embed_tokens.weight else None,
         checks=[_llama_check],
     )
-
-
-PLAN_BUILDERS.append((is_hf_gpt2, gpt2_plan))
-PLAN_BUILDERS.append((is_hf_llama, llama_plan))
-
-
-# -- notebook launch target -----------------------------------------------------------------------------------
-def hf_gpt2_logits_worker(tp: int = 2, vocab_size: int = 50257, n_layer: int = 2, n_head: int = 4, n_embd: int = 32,
-                          seq: int = 16, rows: int = 2) -> dict[str, Any]:
-    """Launch target: a Hugging Face GPT-2 made tensor-parallel, without and with sequence parallelism; the
-    gathered logits of each against the unsharded model's (the same seed, the same tokens)."""
-    from lslm.models.hf import build_hf_gpt2
-    from lslm.runtime import init_distributed
-    from lslm.tensor_parallel.apply import apply_tensor_parallel
-    from lslm.tensor_parallel.cross_entropy import gather_logits
-
-    with init_distributed(tp=tp) as ctx:
-        def build() -> nn.Module:
-            return build_hf_gpt2(vocab_size, seq, n_layer, n_head, n_embd, seed=0).to(ctx.device)
-
-        ref = build()
-        seeded = torch.Generator().manual_seed(1)
-        x = torch.randint(0, vocab_size, (rows, seq), generator=seeded).to(ctx.device)  # lslm: cpu-ok (then moved)
-        out: dict[str, Any] = {"rank": ctx.rank, "tp_rank": ctx.tp_rank}
-        with torch.no_grad():
-            want = ref(input_ids=x).logits
-            for key, sp in (("tp", False), ("sp", True)):
-                model = apply_tensor_parallel(build(), ctx, sequence_parallel=sp)
-                local = model(input_ids=x).logits
-                full = gather_logits(local, ctx, vocab_size)
-                out[key] = {"local_logits": list(local.shape), "logits": list(full.shape),
-                            "max_abs_diff": (full - want).abs().max().item()}
-        out["padded_vocab_size"] = model.tensor_parallel.padded_vocab_size
-        out["reference_logits"] = list(want.shape)
-        return out

@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 __all__ = ["DEFAULT_RNG", "PP_SEED_STRIDE", "TENSOR_PARALLEL_RNG", "TP_SEED_OFFSET", "RNGStatesTracker",
-           "dropout_masks_worker", "fork_rng_in_forward", "model_parallel_seed", "stream_seeds"]
+           "fork_rng_in_forward", "model_parallel_seed", "stream_seeds"]
 
 TENSOR_PARALLEL_RNG = "tensor-parallel"
 #: The device's default generator, as a name for :meth:`RNGStatesTracker.fork` (reserved: never ``add``-ed).
@@ -225,21 +225,3 @@ def fork_rng_in_forward(module: nn.Module, tracker: RNGStatesTracker,
     pre = module.register_forward_pre_hook(enter, prepend=True)
     post = module.register_forward_hook(leave, always_call=True)
     return pre, post
-
-
-def dropout_masks_worker(tp: int = 2, seed: int = 0, n: int = 16, p: float = 0.5) -> dict[str, Any]:
-    """Launch target for the notebook: this rank's dropout mask of ``n`` ones on each stream, as ``"1"/"0"``."""
-    from lslm.runtime import init_distributed
-
-    with init_distributed(tp=tp) as ctx:
-        tracker = model_parallel_seed(ctx, seed)
-        ones = torch.ones(n, device=ctx.device)
-
-        def mask() -> str:
-            return "".join("1" if v else "0" for v in torch.nn.functional.dropout(ones, p).ne(0).tolist())
-
-        default = mask()
-        with tracker.fork(TENSOR_PARALLEL_RNG):
-            sharded = mask()
-        return {"rank": ctx.rank, "dp": ctx.dp_rank, "tp": ctx.tp_rank, "default": default,
-                TENSOR_PARALLEL_RNG: sharded}

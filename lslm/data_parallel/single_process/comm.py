@@ -88,9 +88,9 @@ class Scatter(Function):
     """
 
     @staticmethod
-    def forward(ctx, route: Route, sizes: Sequence[int],  # type: ignore[override]
+    def forward(fn, route: Route, sizes: Sequence[int],  # type: ignore[override]
                 x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.route, ctx.sizes = route, list(sizes)
+        fn.route, fn.sizes = route, list(sizes)
         chunks = torch.split(x, list(sizes), dim=0)
         # The chunk destined for x's own place stays a view: no copy, nothing recorded.
         return tuple(move(c, route.devices[i], src=route.home, dst=i, op="scatter", label="forward",
@@ -98,8 +98,8 @@ class Scatter(Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, *grads: torch.Tensor) -> tuple[None, None, torch.Tensor]:
-        route = ctx.route
+    def backward(fn, *grads: torch.Tensor) -> tuple[None, None, torch.Tensor]:
+        route = fn.route
         parts = [move(g, route.home_device, src=i, dst=route.home, op="gather", label="backward",
                       ledger=route.ledger) for i, g in enumerate(grads)]
         return None, None, torch.cat(parts, dim=0)
@@ -116,16 +116,16 @@ class Gather(Function):
     """
 
     @staticmethod
-    def forward(ctx, route: Route, *outputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.route = route
-        ctx.scalar = all(o.dim() == 0 for o in outputs)
-        outs = [o.reshape(1) if ctx.scalar else o for o in outputs]
+    def forward(fn, route: Route, *outputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        fn.route = route
+        fn.scalar = all(o.dim() == 0 for o in outputs)
+        outs = [o.reshape(1) if fn.scalar else o for o in outputs]
         tail = outs[0].shape[1:]
         if any(o.shape[1:] != tail or o.dtype != outs[0].dtype for o in outs):
             raise ValueError("gather: replica outputs must agree in dtype and in every dimension but the first, "
                              f"got {[(tuple(o.shape), o.dtype) for o in outs]}")
-        ctx.sizes = [o.shape[0] for o in outs]
-        result = torch.empty((sum(ctx.sizes), *tail), dtype=outs[0].dtype, device=route.home_device)
+        fn.sizes = [o.shape[0] for o in outs]
+        result = torch.empty((sum(fn.sizes), *tail), dtype=outs[0].dtype, device=route.home_device)
         offset = 0
         for i, o in enumerate(outs):
             issue = time.perf_counter()
@@ -138,13 +138,13 @@ class Gather(Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        route = ctx.route
+    def backward(fn, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        route = fn.route
         grads = []
-        for i, g in enumerate(torch.split(grad, ctx.sizes, dim=0)):
+        for i, g in enumerate(torch.split(grad, fn.sizes, dim=0)):
             g = move(g, route.devices[i], src=route.home, dst=i, op="scatter", label="backward",
                      ledger=route.ledger)
-            grads.append(g.reshape(()) if ctx.scalar else g)
+            grads.append(g.reshape(()) if fn.scalar else g)
         return (None, *grads)
 
 
@@ -160,25 +160,25 @@ class Broadcast(Function):
     """
 
     @staticmethod
-    def forward(ctx, route: Route, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.route, ctx.num = route, len(params)
+    def forward(fn, route: Route, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        fn.route, fn.num = route, len(params)
         outputs: list[torch.Tensor] = []
         for i, device in enumerate(route.devices):
             outputs.extend(move(p, device, src=route.home, dst=i, op="broadcast", label="forward",
                                 ledger=route.ledger) for p in params)
         # Copies of frozen parameters must not ask for gradients.
         frozen = [outputs[i * len(params) + k] for i in range(len(route.devices))
-                  for k, p in enumerate(params) if not ctx.needs_input_grad[1 + k]]
-        ctx.mark_non_differentiable(*frozen)
+                  for k, p in enumerate(params) if not fn.needs_input_grad[1 + k]]
+        fn.mark_non_differentiable(*frozen)
         return tuple(outputs)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        route, num = ctx.route, ctx.num
+    def backward(fn, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        route, num = fn.route, fn.num
         reduced: list[torch.Tensor | None] = []
         for k in range(num):
-            if not ctx.needs_input_grad[1 + k]:
+            if not fn.needs_input_grad[1 + k]:
                 reduced.append(None)
                 continue
             total: torch.Tensor | None = None

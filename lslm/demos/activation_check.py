@@ -249,7 +249,7 @@ def run(s: int = 64, b: int = 2, h: int = 64, a: int = 8, tps: tuple[int, ...] =
     ``measured / adapted`` and ``measured / paper``. The workers run on the CPU with gloo
     whatever the machine: the accounting is that of fp32 on the CPU (float dropout noise).
     """
-    from lslm.runtime.launch import launch
+    from lslm.launcher.launch import launch
 
     _check_sizes(s, b, h, a, dropout, attention)
     for t in tps:
@@ -260,7 +260,7 @@ def run(s: int = 64, b: int = 2, h: int = 64, a: int = 8, tps: tuple[int, ...] =
     rows = [serial_layer(s, b, h, a, dropout=dropout, attention=attention, seed=seed)]
     if tps:
         options = {"output": "none", "env": {"LSLM_DEVICE": "cpu", "LSLM_BACKEND": "gloo"}, **launch_kwargs}
-        res = launch("lslm.tensor_parallel.activation_check:tp_worker", nproc=max(tps), timeout=timeout, **options,
+        res = launch("lslm.demos.activation_check:tp_worker", nproc=max(tps), timeout=timeout, **options,
                      s=s, b=b, h=h, a=a, dropout=dropout, attention=attention, seed=seed, tps=list(tps),
                      listing=False)
         rows.extend(res[0]["results"])

@@ -1,7 +1,7 @@
 """The torchrun agent that ``lslm.launch`` starts: ``torch.distributed.run``, tied to the launcher's life.
 
-``python -m lslm.runtime.agent --parent PID --launch-dir DIR -- <torchrun arguments>``
-arms a parent-death signal (see :mod:`lslm.runtime.process_tree`) and then runs
+``python -m lslm.launcher.agent --parent PID --launch-dir DIR -- <torchrun arguments>``
+arms a parent-death signal (see :mod:`lslm.launcher.process_tree`) and then runs
 torchrun in this same process. If the launcher dies without cleaning up (a notebook
 kernel restarted or SIGKILLed), the agent gets one SIGTERM, torchrun's own handler
 stops every worker, and the agent removes the launch's temporary folder, which the
@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 
-from lslm.runtime.process_tree import die_with_parent
+from lslm.launcher.process_tree import die_with_parent
 
 AGENT_PID_ENV = "LSLM_AGENT_PID"  # workers read it to know which parent to watch
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     """Parse our two options, tie this process to ``--parent``, then run torchrun with the rest."""
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
-    parser = argparse.ArgumentParser(prog="python -m lslm.runtime.agent", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m lslm.launcher.agent", description=__doc__)
     parser.add_argument("--parent", type=int, required=True, help="pid of the launcher this agent dies with")
     parser.add_argument("--launch-dir", default=None, help="folder to remove if the launcher dies first")
     ns = parser.parse_args(argv[:split])

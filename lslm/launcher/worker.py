@@ -1,6 +1,6 @@
 """The process torchrun starts for every rank of an ``lslm.launch`` job.
 
-``python -m lslm.runtime.worker --target pkg.module:function --args-file A --result-dir D``
+``python -m lslm.launcher.worker --target pkg.module:function --args-file A --result-dir D``
 imports the target, calls it with the JSON arguments (none without ``--args-file``), and
 writes what it returns to ``D/rank<r>.json`` (``D`` is created if missing). What the
 launcher reads from ``D`` to tell what happened:
@@ -34,8 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from lslm.runtime.agent import AGENT_PID_ENV
-from lslm.runtime.process_tree import die_with_parent
+from lslm.launcher.agent import AGENT_PID_ENV
+from lslm.launcher.process_tree import die_with_parent
 from lslm.runtime.startup import exit_process
 
 RESULT_DIR_ENV = "LSLM_RESULT_DIR"
@@ -122,7 +122,7 @@ def error_record(rank: int, exc: BaseException, failed_at: float) -> dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of one rank: run the target, write its result or its traceback."""
-    parser = argparse.ArgumentParser(prog="python -m lslm.runtime.worker", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m lslm.launcher.worker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True, help="the function every rank calls, 'package.module:function'")
     parser.add_argument("--args-file", default=None,

@@ -166,7 +166,7 @@ def run(model: dict[str, Any] | None = None, bucket_caps_mb: tuple[float, ...] =
     from lslm.bench.ddp import BENCH_MODEL
     from lslm.bench.devices import device_env
     from lslm.data_parallel.ddp import cap_bytes
-    from lslm.runtime.launch import launch
+    from lslm.launcher.launch import launch
 
     for mb in bucket_caps_mb:
         cap_bytes(mb)  # ValueError before any process starts
@@ -176,7 +176,7 @@ def run(model: dict[str, Any] | None = None, bucket_caps_mb: tuple[float, ...] =
         raise ValueError("give at least one bucket cap (MiB)")
     if steps < 1 or warmup < 0 or comm_repeats < 1:
         raise ValueError(f"need steps >= 1, warmup >= 0, comm_repeats >= 1; got {steps}, {warmup}, {comm_repeats}")
-    res = launch("lslm.metrics.step_time_check:worker", nproc=nproc, timeout=timeout, output="none",
+    res = launch("lslm.bench.step_time_check:worker", nproc=nproc, timeout=timeout, output="none",
                  model=dict(model or BENCH_MODEL), bucket_caps_mb=list(bucket_caps_mb), steps=steps, warmup=warmup,
                  comm_repeats=comm_repeats, env=device_env(device, nproc))
     return res[0], compare(res[0])

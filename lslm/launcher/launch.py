@@ -47,8 +47,8 @@ from typing import Any
 
 import psutil
 
-from lslm.runtime.launch_checks import timeout_seconds, validate
-from lslm.runtime.launch_errors import (
+from lslm.launcher.launch_checks import timeout_seconds, validate
+from lslm.launcher.launch_errors import (
     LaunchError,
     LaunchTimeout,
     RankFailure,
@@ -57,7 +57,8 @@ from lslm.runtime.launch_errors import (
     death_summary,
     is_peer_lost,
 )
-from lslm.runtime.process_tree import deferred_signals, is_alive, kill_tree
+from lslm.launcher.process_tree import deferred_signals, is_alive, kill_tree
+from lslm.launcher.streams import drain, finish_reading, read_lines
 from lslm.runtime.startup import free_port
 
 __all__ = ["LaunchError", "LaunchResults", "LaunchTimeout", "launch", "torchrun_command", "validate"]
@@ -109,7 +110,7 @@ def launch(target: str | Callable[..., Any], nproc: int = 2, *, nnodes: int = 1,
     ``pythonpath`` adds import paths.
 
     Raises ``ValueError`` for bad input before starting anything (see
-    :func:`~lslm.runtime.launch_checks.validate`), :class:`LaunchError` as soon as any
+    :func:`~lslm.launcher.launch_checks.validate`), :class:`LaunchError` as soon as any
     rank fails, :class:`LaunchTimeout` after ``timeout`` seconds, and re-raises
     ``KeyboardInterrupt``; in every case all processes are stopped first (module doc).
     """
@@ -197,10 +198,10 @@ def _run(target: str, nproc: int, nnodes: int, timeout: float, output: str, extr
         env.setdefault("LOGLEVEL", "ERROR")  # torchrun's agent is chatty at WARNING
         # The launching directory first, as `python -m` would see it, then any extra paths.
         env["PYTHONPATH"] = os.pathsep.join([*pythonpath, os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
-        worker = ["-m", "lslm.runtime.worker", "--target", target, "--args-file", str(folder / "args.json"),
+        worker = ["-m", "lslm.launcher.worker", "--target", target, "--args-file", str(folder / "args.json"),
                   "--result-dir", str(folder)]
-        # Each agent is torchrun run by lslm.runtime.agent, which dies with this process.
-        agent = [sys.executable, "-m", "lslm.runtime.agent", "--parent", str(os.getpid()), "--launch-dir",
+        # Each agent is torchrun run by lslm.launcher.agent, which dies with this process.
+        agent = [sys.executable, "-m", "lslm.launcher.agent", "--parent", str(os.getpid()), "--launch-dir",
                  str(folder), "--"]
         rdzv_id = uuid.uuid4().hex[:12]
         commands = [agent + torchrun_command(nproc, nnodes, node, port, rdzv_id, log_dir=str(folder / "torchrun"))[3:]
@@ -212,11 +213,11 @@ def _run(target: str, nproc: int, nnodes: int, timeout: float, output: str, extr
                 p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, bufsize=1, env=env, start_new_session=True)
                 procs.append(p)
-                threading.Thread(target=_reader, args=(p, q), daemon=True).start()
+                threading.Thread(target=read_lines, args=(p, q), daemon=True).start()
         open_streams, failed_at, timed_out = len(procs), None, False
         while True:
             # Print from this thread: in Jupyter, output from other threads can land in the wrong cell.
-            open_streams -= _drain(q, lines, output)
+            open_streams -= drain(q, lines, output)
             ranks.scan()
             ranks.notice_deaths()
             if ranks.failures and failed_at is None:
@@ -232,7 +233,7 @@ def _run(target: str, nproc: int, nnodes: int, timeout: float, output: str, extr
             time.sleep(0.02)
         wall = time.perf_counter() - start
         _stop(procs, ranks)
-        _finish_reading(q, lines, output, open_streams)
+        finish_reading(q, lines, output, open_streams)
         if not timed_out:
             ranks.scan()  # errors written while torchrun stopped the job (after a timeout, our kill caused them)
         codes = [p.poll() for p in procs]
@@ -269,45 +270,3 @@ def _stop(procs: list[subprocess.Popen[str]], ranks: _Ranks) -> None:
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=2.0)
-
-
-def _reader(proc: subprocess.Popen[str], q: queue.Queue[str | None]) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        q.put(line.rstrip("\n"))
-    q.put(None)
-
-
-def _emit(line: str, lines: list[str], output: str) -> None:
-    lines.append(line)
-    if output == "all" or (output == "rank0" and line.startswith("[rank 0] ")):
-        print(line, flush=True)
-
-
-def _drain(q: queue.Queue[str | None], lines: list[str], output: str) -> int:
-    """Print everything queued so far; return how many streams ended."""
-    ended = 0
-    while True:
-        try:
-            item = q.get_nowait()
-        except queue.Empty:
-            return ended
-        if item is None:
-            ended += 1
-        else:
-            _emit(item, lines, output)
-
-
-def _finish_reading(q: queue.Queue[str | None], lines: list[str], output: str, open_streams: int) -> None:
-    """Print the last lines of a finished job (its pipes close once every process has exited)."""
-    deadline = time.perf_counter() + 2.0
-    while open_streams > 0 and time.perf_counter() < deadline:
-        try:
-            item = q.get(timeout=max(0.0, deadline - time.perf_counter()))
-        except queue.Empty:
-            break
-        if item is None:
-            open_streams -= 1
-        else:
-            _emit(item, lines, output)
-
