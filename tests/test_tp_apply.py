@@ -93,3 +93,13 @@ def test_the_notebook_demos_show_what_they_claim() -> None:
     assert orders["row_then_column_without_reduce_error"] > 0.1  # GeLU of partial sums is not GeLU of the sum
     trap = demo.qkv_trap(t=2)
     assert trap["per_head_rows"] < 1e-5 and trap["plain_split"] > 0.1  # a plain chunk of the fused qkv is wrong
+
+
+def test_the_models_own_loss_refuses_vocabulary_sharded_logits() -> None:
+    # After apply_tensor_parallel the head gives this rank's slice of the padded vocabulary
+    # (250 -> 252 over tp=4: 63 columns); GPT.forward(x, targets) says so instead of indexing past it.
+    with fake_world(1, 4):
+        model = apply_tensor_parallel(GPT(GPTConfig.tiny(vocab_size=250)), _ctx(4, 1, 4))
+        x = torch.randint(0, 250, (2, 8))
+        with pytest.raises(ValueError, match="63 logits per position but the vocabulary has 250 tokens"):
+            model(x, x)
