@@ -85,3 +85,14 @@ def context_checks(numel: int = 1000, shapes: list[dict[str, int]] | None = None
                                            device=ctx.device, backend=ctx.backend, timeout_s=ctx.timeout_s)
             out["shapes"].append(_shape_report(other))
         return out
+
+
+def with_grid_cycle(grids: list[dict[str, int]]) -> dict[str, Any]:
+    """``with_grid`` through ``grids`` in turn (each replacing the last, grids repeating), with every
+    axis combination's members seen by an all-gather in each: groups destroyed and made again must work."""
+    with init_distributed() as ctx:
+        seen = []
+        for sizes in grids:
+            sub = ctx.with_grid(**sizes)
+            seen.append({",".join(c): _members(sub, sub.group(*c)) for c in COMBOS})
+        return {"rank": ctx.rank, "members": seen}

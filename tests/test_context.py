@@ -57,29 +57,81 @@ def test_every_axis_combination_has_the_grid_members_and_mesh_coordinates(shape:
                 assert dist.get_process_group_ranks(mesh.get_group(axis)) == grid.group_of(rank, axis)
 
 
-def test_groups_are_created_once_in_a_fixed_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    made: list[list[int]] = []
+def _spy_creation(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[int, ...], bool]]:
+    """Record every ``dist.new_group`` call as ``(ranks, member-only)``."""
+    made: list[tuple[tuple[int, ...], bool]] = []
     real = dist.new_group
 
     def spy(ranks: list[int], **kwargs: Any) -> Any:
-        made.append(list(ranks))
+        made.append((tuple(ranks), bool(kwargs.get("use_local_synchronization"))))
         return real(ranks, **kwargs)
 
     monkeypatch.setattr(dist, "new_group", spy)
-    for shape, expected in (({"tp": 2, "pp": 2}, 4 + 2 + 2), ({"dp": 4}, 4), ({"tp": 4}, 4),
-                            ({"dp": 2, "cp": 2}, 4 + 2 + 2)):
+    return made
+
+
+def test_groups_are_created_once_in_a_fixed_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    made = _spy_creation(monkeypatch)
+    for shape, expected in (({"tp": 2, "pp": 2}, 2 + 2), ({"dp": 4}, 0), ({"tp": 4}, 0),
+                            ({"dp": 2, "cp": 2}, 2 + 2)):
         grid = RankGrid.build(4, **shape)
         orders = []
         for rank in range(4):
             made.clear()
             with fake_world(rank, 4):
                 _ctx(grid, rank)
-            orders.append(list(made))
-        # singletons first, then each grouping of the size > 1 axes; never the world, never twice
+            # this rank's single-rank group, made by this rank alone and first; no other rank's
+            assert made[0] == ((rank,), True) and all(len(r) > 1 and not local for r, local in made[1:])
+            orders.append(made[1:])
+        # then every group of each grouping of the size > 1 axes, the same calls in the same order
+        # on every rank (torch's sequential names stay in step); never the world, never twice
         assert all(o == orders[0] for o in orders) and len(orders[0]) == expected
-        assert len({tuple(r) for r in orders[0]}) == expected and list(range(4)) not in orders[0]
+        assert len(set(orders[0])) == expected and (tuple(range(4)), False) not in orders[0]
     assert group_plan(RankGrid.build(16, tp=2, cp=2, dp=2, pp=2))[-1] == AXES
     assert len(group_plan(RankGrid.build(16, tp=2, cp=2, dp=2, pp=2))) == 16  # 2^4 groupings, () included
+
+
+@pytest.mark.parametrize(("world", "shape", "world_wide", "member_only"), [
+    # Before this count (issue 19): 26 world-wide calls at dp=2, tp=2, pp=2 (8 single-rank groups + 18),
+    # 764 at 512 ranks with tp=8, pp=4, dp=16 (512 + 252), 512 for plain dp=512, 1214 for tp8 cp2 pp4 dp8.
+    (8, {"dp": 2, "tp": 2, "pp": 2}, 18, 1),
+    (512, {"tp": 8, "pp": 4, "dp": 16}, 252, 1),
+    (512, {"dp": 512}, 0, 1),
+    (512, {"tp": 8, "cp": 2, "pp": 4, "dp": 8}, 702, 0),  # no size-1 axis: no single-rank group at all
+])
+def test_group_creation_calls_per_rank(monkeypatch: pytest.MonkeyPatch, world: int, shape: dict[str, int],
+                                       world_wide: int, member_only: int) -> None:
+    made = _spy_creation(monkeypatch)
+    grid = RankGrid.build(world, **shape)
+    rank = world - 3
+    with fake_world(rank, world):
+        ctx = _ctx(grid, rank)
+        assert sum(not local for _, local in made) == world_wide
+        assert sum(local for _, local in made) == member_only
+        # this rank joins one group per grouping that is not the world
+        joined = {id(ctx.group(*c)) for c in COMBOS if ctx.group(*c) is not dist.group.WORLD}
+        assert len(joined) == len(group_plan(grid)) - 1 - (member_only == 0)
+
+
+def test_with_grid_destroys_the_groups_of_the_context_it_replaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    destroyed: list[Any] = []
+    real = dist.destroy_process_group
+    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: (destroyed.append(group), real(group)))
+    world, rank = 8, 5
+    with fake_world(rank, world):
+        ctx = _ctx(RankGrid.build(world), rank)
+        own = {id(ctx.group(*c)) for c in COMBOS}
+        tp = ctx.with_grid(tp=2)
+        assert ctx.with_grid(tp=2) is tp and destroyed == []  # the same grid again: the same groups
+        tp_groups = {id(tp.group(*c)): tp.group(*c) for c in COMBOS if tp.group(*c) is not dist.group.WORLD}
+        pp = ctx.with_grid(pp=2, tp=2)
+        assert {id(g) for g in destroyed} == set(tp_groups) and len(destroyed) == len(tp_groups) == 3
+        assert not own & {id(g) for g in destroyed}  # the parent's groups live on
+        assert all(ctx.comm.group_name(g) == "" for g in tp_groups.values())  # the ledger let them go
+        with pytest.raises(RuntimeError, match="replaced by a later with_grid"):
+            tp.group("tp")
+        assert dist.get_process_group_ranks(pp.group("pp", "tp")) == pp.grid.group_of(rank, "pp", "tp")
+        assert ctx.with_grid() is ctx and ctx.group("dp") is dist.group.WORLD
 
 
 def test_a_one_rank_world_is_its_own_group_everywhere() -> None:
@@ -131,6 +183,19 @@ def test_groups_and_mesh_on_four_processes_match_the_grid(four_ranks: list[dict[
         assert r["mesh_coords"] == [r[a] for a in AXES] and r["mesh_dims"] == list(AXES)
         assert r["mesh_shape"] == [getattr(grid, a) for a in AXES]
         assert r["mesh_groups"] == {a: grid.group_of(rank, a) for a in AXES}
+
+
+CYCLE = [{"tp": 2}, {"pp": 2}, {"tp": 2}, {"tp": 2, "pp": 2}, {"pp": 2}]
+
+
+def test_with_grid_destroys_and_remakes_groups_on_four_processes() -> None:
+    # Groups destroyed by with_grid and made again (the same ranks, a grid seen before) still
+    # connect: member-only creation would reuse the dead group's name and time out here.
+    res = run_workers("tests.context_workers:with_grid_cycle", 4, grids=CYCLE, timeout=120)
+    for r in res:
+        for sizes, members in zip(CYCLE, r["members"]):
+            grid = RankGrid.build(4, **sizes)
+            assert members == {",".join(c): grid.group_of(r["rank"], *c) for c in COMBOS}
 
 
 @pytest.fixture(scope="module", params=backends(2))

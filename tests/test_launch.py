@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -343,6 +344,27 @@ def test_error_message_layout() -> None:
                         "\n\n--- then, as consequences ---\nrank 0: RuntimeError: Connection closed by peer")
 
 
+# Ctrl-C as a learner presses it: SIGINT raises KeyboardInterrupt (Python's default handler).
+# The tests set that disposition themselves instead of inheriting it: a background job of a
+# non-interactive shell (`make test &`, `nohup make test`) starts with SIGINT ignored, and
+# Python then leaves it ignored. The launcher deliberately does not restore it: it runs inside
+# the learner's own process (kernel or shell), whose disposition is the learner's choice (a
+# `nohup` run asked for SIGINT to be ignored), and its agents and workers run in a session of
+# their own, stopped by the launcher with SIGTERM, so their SIGINT disposition plays no part.
+SET_CTRL_C = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+
+
+@pytest.fixture
+def ctrl_c_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt in this process while the test runs, however pytest was started."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_a_second_interrupt_waits_for_the_clean_up() -> None:
     from lslm.launcher.process_tree import deferred_signals
 
@@ -354,6 +376,22 @@ def test_a_second_interrupt_waits_for_the_clean_up() -> None:
             done.append("clean-up finished")
     assert done == ["clean-up finished"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_deferred_signals_keep_an_ignored_interrupt_ignored() -> None:
+    # Under nohup SIGINT is ignored: a SIGINT during clean-up is held back, then delivered to the
+    # disposition the process had, so it stays ignored (no KeyboardInterrupt the user opted out of).
+    from lslm.runtime.process_tree import deferred_signals
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with deferred_signals():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        time.sleep(0.05)  # a KeyboardInterrupt would surface here
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # -- no orphans, interrupts, signals (real processes) -----------------------------------------
@@ -429,7 +467,8 @@ def test_no_orphans_when_the_launching_python_is_killed() -> None:
 
 
 def test_interrupt_stops_every_rank_and_reraises_keyboard_interrupt() -> None:
-    code = ("try:\n" + "".join("    " + line + "\n" for line in SLEEPERS.format(nproc=2, nnodes=1).splitlines())
+    sleepers = SLEEPERS.format(nproc=2, nnodes=1).splitlines()
+    code = (SET_CTRL_C + "try:\n" + "".join("    " + line + "\n" for line in sleepers)
             + "except KeyboardInterrupt:\n    print('caught KeyboardInterrupt', flush=True)\n")
     proc, lines = _start(["-c", code])
     try:

@@ -94,6 +94,18 @@ def test_sequence_too_long() -> None:
         _tiny()(torch.zeros(1, 65, dtype=torch.long))
 
 
+def test_a_head_with_a_slice_of_the_vocabulary_is_refused_before_the_loss() -> None:
+    # A vocabulary-sharded head (what apply_tensor_parallel builds) gives V/t logits; target ids
+    # past them must raise a ValueError from the shapes, not reach cross_entropy (a CUDA device assert).
+    model = _tiny()
+    model.lm_head = torch.nn.Linear(64, 512, bias=False)
+    x = torch.randint(0, 1024, (2, 8))
+    with pytest.raises(ValueError, match=r"512 logits per position but the vocabulary has 1024.*vocab_parallel_cr"):
+        model(x, x)
+    logits, loss = model(x)  # without targets the model still gives its (sharded) logits
+    assert logits.shape == (2, 8, 512) and loss is None
+
+
 # --- Hugging Face builders --------------------------------------------------------------
 
 

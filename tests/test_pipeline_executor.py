@@ -19,7 +19,7 @@ from torch import nn
 
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.pipeline.actions import Action
-from lslm.pipeline.apply import PipelinePlan, check_plan
+from lslm.pipeline.apply import PipelinePlan, apply_pipeline, check_plan
 from lslm.pipeline.memory import PipelineMemory
 from lslm.pipeline.p2p import action_of_record, comm_label, peer_stage
 from lslm.pipeline.partition import split_gpt
@@ -28,8 +28,10 @@ from lslm.pipeline.simulator import simulate
 from lslm.pipeline.split_backward import SplitLinear, WeightGradStore, split_linears, unsplit_linears
 from lslm.pipeline.stage import StageRuntime
 from lslm.pipeline.theory import activation_memory_theory, activation_units_theory
+from lslm.runtime.context import ParallelContext
+from lslm.runtime.grid import RankGrid
 from lslm.runtime.records import CommRecord
-from tests.helpers import backends, nproc_backends, run_workers
+from tests.helpers import backends, fake_world, nproc_backends, run_workers
 
 TOL = 5e-6
 CPU = torch.device("cpu")
@@ -217,6 +219,20 @@ def test_check_plan_rejects_bad_plans_before_any_process_starts() -> None:
         check_plan(PipelinePlan(partition="flops"), pp_size=2, n_layer=4, batch_size=8)
     with pytest.raises(ValueError, match="positive int"):
         check_plan(PipelinePlan(microbatches=0), pp_size=2, n_layer=4, batch_size=8)
+
+
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan"), float("inf"), True, "2"])
+def test_step_refuses_a_loss_scale_that_is_not_a_finite_positive_number(bad: Any) -> None:
+    # -1 would run gradient ascent and NaN would leave NaN gradients, both silently: refused
+    # before any micro-batch runs (a fake 2-rank world: no process, nothing communicated).
+    with fake_world(0, 2):
+        ctx = ParallelContext.create(RankGrid.build(2, pp=2), rank=0, local_rank=0, node_rank=0, device=CPU,
+                                     backend="fake", timeout_s=5)
+        pipe = apply_pipeline(_model(), ctx, PipelinePlan("1f1b", 2))
+        x, y = _data()
+        with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
+            pipe.step(x, y, loss_scale=bad)
+        assert all(p.grad is None for p in pipe.parameters())
 
 
 # -- real processes ---------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -146,6 +147,52 @@ def test_state_dict_resumes_exactly() -> None:
     assert head + _trajectory(resumed, pattern[5:]) == expected
     with pytest.raises(ValueError, match="missing"):
         resumed.load_state_dict({"scale": 1.0})
+
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    # The constructor's checks and messages (one shared function), the scale named as the state names it.
+    ({"scale": NAN}, r"scale must be a finite number > 0, got nan"),
+    ({"scale": -4.0}, r"scale must be a finite number > 0, got -4.0"),
+    ({"scale": math.inf}, r"scale must be a finite number > 0"),
+    ({"min_scale": NAN}, r"min_scale must be >= 0 or None \(no floor\), got nan"),
+    ({"min_scale": -1.0}, r"min_scale must be >= 0 or None"),
+    ({"scale": 0.5, "min_scale": 1.0}, r"scale=0.5 is below min_scale=1.0"),
+    ({"growth_factor": NAN}, r"growth_factor must be > 1"),
+    ({"backoff_factor": 1.5}, r"backoff_factor must be in \(0, 1\)"),
+    ({"growth_interval": 0}, r"growth_interval must be an int >= 1"),
+    ({"hysteresis": 2.5}, r"hysteresis must be an int >= 1"),
+    ({"growth_rule": "fast"}, r"growth_rule must be one of"),
+    # ... and counters that update() can never produce.
+    ({"cur_iter": -1}, r"cur_iter must be an int >= 0"),
+    ({"cur_hysteresis": 0}, r"cur_hysteresis must be an int >= 1"),
+    ({"cur_hysteresis": 3}, r"cur_hysteresis=3 exceeds hysteresis=2"),
+    ({"last_overflow_iter": 5}, r"last_overflow_iter=5 must be below cur_iter=5"),
+    ({"num_overflows": NAN}, r"num_overflows must be an int >= 0"),
+])
+def test_a_loaded_state_is_checked_like_constructor_arguments(change: dict[str, Any], message: str) -> None:
+    source = DynamicLossScaler(256.0, growth_interval=2, hysteresis=2)
+    _trajectory(source, [X, C, C, C, C])
+    state = source.state_dict()
+    target = DynamicLossScaler(64.0, growth_interval=7, hysteresis=3, min_scale=None)
+    before = target.state_dict()
+    with pytest.raises(ValueError, match=message):
+        target.load_state_dict({**state, **change})
+    assert target.state_dict() == before  # refused before changing anything
+    target.load_state_dict(state)  # the unchanged state loads
+    assert target.state_dict() == state
+
+
+def test_constructor_and_loaded_state_refuse_with_the_same_message() -> None:
+    for change, ctor in (({"min_scale": NAN}, {"min_scale": NAN}), ({"growth_factor": 0.5}, {"growth_factor": 0.5}),
+                         ({"scale": NAN}, {"init_scale": NAN})):
+        with pytest.raises(ValueError) as loaded:
+            DynamicLossScaler().load_state_dict({**DynamicLossScaler().state_dict(), **change})
+        with pytest.raises(ValueError) as built:
+            DynamicLossScaler(**ctor)
+        assert str(loaded.value) == str(built.value).replace("init_scale", "scale")
 
 
 # -- (c) an injected inf/NaN skips the step and leaves everything bit-identical ---------------------------

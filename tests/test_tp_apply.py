@@ -15,6 +15,7 @@ from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import RankGrid
 from lslm.tensor_parallel.apply import apply_tensor_parallel
 from lslm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from lslm.tensor_parallel.random import TENSOR_PARALLEL_RNG, stream_seeds
 from tests.helpers import fake_world
 
 
@@ -93,3 +94,33 @@ def test_the_notebook_demos_show_what_they_claim() -> None:
     assert orders["row_then_column_without_reduce_error"] > 0.1  # GeLU of partial sums is not GeLU of the sum
     trap = demo.qkv_trap(t=2)
     assert trap["per_head_rows"] < 1e-5 and trap["plain_split"] > 0.1  # a plain chunk of the fused qkv is wrong
+
+
+def test_the_models_own_loss_refuses_vocabulary_sharded_logits() -> None:
+    # After apply_tensor_parallel the head gives this rank's slice of the padded vocabulary
+    # (250 -> 252 over tp=4: 63 columns); GPT.forward(x, targets) says so instead of indexing past it.
+    with fake_world(1, 4):
+        model = apply_tensor_parallel(GPT(GPTConfig.tiny(vocab_size=250)), _ctx(4, 1, 4))
+        x = torch.randint(0, 250, (2, 8))
+        with pytest.raises(ValueError, match="63 logits per position but the vocabulary has 250 tokens"):
+            model(x, x)
+
+
+def test_apply_leaves_the_global_generator_alone_and_seeds_the_tensor_parallel_stream() -> None:
+    # The default (replicated-dropout) stream is the caller's: apply_tensor_parallel must not
+    # re-seed it; the per-rank tensor-parallel stream still starts from Megatron's seed.
+    with fake_world(1, 2):
+        ctx = _ctx(2, 1, 2)
+        torch.manual_seed(5)
+        model = GPT(GPTConfig.tiny(dropout=0.1))
+        torch.rand(3)  # the caller's stream is somewhere of its own
+        before = torch.get_rng_state()
+        apply_tensor_parallel(model, ctx, rng_seed=7)
+        assert torch.equal(torch.get_rng_state(), before)
+        tp_seed = stream_seeds(7, tp_rank=1, pp_rank=0)[TENSOR_PARALLEL_RNG]
+        assert torch.equal(ctx.rng.get_states()[TENSOR_PARALLEL_RNG],
+                           torch.Generator().manual_seed(tp_seed).get_state())
+        with ctx.rng.fork():  # the tensor-parallel stream draws what its seed gives
+            drawn = torch.rand(4)
+        assert torch.equal(drawn, torch.rand(4, generator=torch.Generator().manual_seed(tp_seed)))
+        assert torch.equal(torch.get_rng_state(), before)  # forking left the caller's stream where it was

@@ -280,6 +280,17 @@ def test_model_parallel_seed_on_every_rank_of_a_fake_tp2_pp2_dp2_grid() -> None:
     assert seen[0, 0][0] != seen[1, 0][0] and seen[0, 0][1] != seen[1, 0][1]  # stages differ
 
 
+def test_model_parallel_seed_without_reseeding_keeps_the_default_generator() -> None:
+    ctx = SimpleNamespace(tp_rank=1, pp_rank=1, device=torch.device("cpu"), rng=None)
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    tracker = model_parallel_seed(ctx, SEED, reseed_default=False)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert ctx.rng is tracker and tracker.names == [TENSOR_PARALLEL_RNG]
+    seeded = model_parallel_seed(SimpleNamespace(**{**vars(ctx), "rng": None}), SEED)  # the same tp stream
+    assert torch.equal(tracker.get_states()[TENSOR_PARALLEL_RNG], seeded.get_states()[TENSOR_PARALLEL_RNG])
+
+
 def test_model_parallel_seed_rejects_a_bad_seed() -> None:
     ctx = SimpleNamespace(tp_rank=0, pp_rank=0, device=torch.device("cpu"), rng=None)
     with pytest.raises(ValueError, match="seed must be an int >= 0"):

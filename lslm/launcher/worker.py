@@ -168,4 +168,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())  # results are written: skip finalization (see exit_process)
+    exit_process(main())  # results are written: end now (finalization skipped where gloo ran: see exit_process)

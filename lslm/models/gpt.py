@@ -197,6 +197,16 @@ class GPT(nn.Module):
         if targets is not None:
             if targets.shape != idx.shape:
                 raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+            # Checked from shapes, before cross_entropy: a head that gives only a slice of the
+            # vocabulary (a vocabulary-sharded, tensor-parallel head) would make target ids index
+            # past the logits, which on CUDA is a device-side assert instead of a message. The
+            # shape is known without reading the targets, so this costs no device synchronisation.
+            if logits.shape[-1] != self.config.vocab_size:
+                raise ValueError(
+                    f"the head gives {logits.shape[-1]} logits per position but the vocabulary has "
+                    f"{self.config.vocab_size} tokens: the logits are a slice of the vocabulary (a tensor-parallel "
+                    "head?); call the model without targets and compute the loss on the sharded logits (for "
+                    "apply_tensor_parallel: lslm.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy)")
             # float(): under bf16/fp16 autocast the softmax is still taken in fp32.
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
         return logits, loss

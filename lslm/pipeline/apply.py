@@ -17,6 +17,8 @@ their linears swapped for :class:`~lslm.pipeline.split_backward.SplitLinear`.
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -117,6 +119,12 @@ class PipelineModel:
         mean loss (``loss_scale`` not applied), the same on every pipeline rank.
         """
         ctx, m = self.ctx, self.plan.microbatches
+        # Checked before any communication (every rank gets the same value, so every rank raises):
+        # a negative scale would run gradient ascent and NaN would leave NaN gradients, silently.
+        if isinstance(loss_scale, bool) or not isinstance(loss_scale, numbers.Real) or not (
+                math.isfinite(loss_scale) and loss_scale > 0):
+            raise ValueError(f"loss_scale must be a finite number > 0 (the factor on every micro-batch's loss "
+                             f"before backward; 1.0 for none), got {loss_scale!r}")
         if x.dim() != 2 or x.shape != y.shape:
             raise ValueError(f"x and y must be token ids of one shape (batch, time), got {tuple(x.shape)} and "
                              f"{tuple(y.shape)}")

@@ -41,6 +41,7 @@ every rank then applies the same update rule to the same flag, the scales stay e
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -48,7 +49,8 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
-__all__ = ["GROWTH_RULES", "OVERFLOW_LABEL", "DynamicLossScaler", "LossScaleAtMinimumError", "nonfinite_flag"]
+__all__ = ["GROWTH_RULES", "OVERFLOW_LABEL", "DynamicLossScaler", "LossScaleAtMinimumError", "check_scaler_settings",
+           "nonfinite_flag"]
 
 OVERFLOW_LABEL = "precision overflow"
 GROWTH_RULES = ("gradscaler", "deepspeed")
@@ -86,6 +88,37 @@ def nonfinite_flag(tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
     return torch.isfinite(norm).logical_not().to(torch.float32)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_scaler_settings(scale: Any, *, growth_factor: Any, backoff_factor: Any, growth_interval: Any,
+                          hysteresis: Any, min_scale: Any, growth_rule: Any, scale_name: str = "init_scale") -> None:
+    """Raise ``ValueError`` naming the first bad setting of a :class:`DynamicLossScaler`.
+
+    The one check for the constructor's arguments and for a state loaded from a checkpoint
+    (``scale_name="scale"`` there), so neither can hold a value the other refuses: a NaN or
+    negative scale would skip every step, or run gradient ascent, without a word.
+    Written as ``not (... ok ...)`` so that NaN, which fails every comparison, is refused.
+    """
+    if not (isinstance(scale, numbers.Real) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{scale_name} must be a finite number > 0, got {scale!r}")
+    if not (isinstance(growth_factor, numbers.Real) and growth_factor > 1):
+        raise ValueError(f"growth_factor must be > 1 (the scale grows by it), got {growth_factor!r}")
+    if not (isinstance(backoff_factor, numbers.Real) and 0 < backoff_factor < 1):
+        raise ValueError(f"backoff_factor must be in (0, 1) (the scale shrinks by it), got {backoff_factor!r}")
+    for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if min_scale is not None and not (isinstance(min_scale, numbers.Real) and min_scale >= 0):
+        raise ValueError(f"min_scale must be >= 0 or None (no floor), got {min_scale!r}")
+    if min_scale is not None and scale < min_scale:
+        raise ValueError(f"{scale_name}={scale} is below min_scale={min_scale}: raise {scale_name} or lower "
+                         "min_scale")
+    if growth_rule not in GROWTH_RULES:
+        raise ValueError(f"growth_rule must be one of {GROWTH_RULES}, got {growth_rule!r}")
+
+
 class DynamicLossScaler:
     """DeepSpeed's dynamic loss scaler (hysteresis, floor, error at the floor), agreed across ranks.
 
@@ -118,22 +151,9 @@ class DynamicLossScaler:
                  consecutive_hysteresis: bool = False, raise_error_at_min_scale: bool = True,
                  growth_rule: str = "gradscaler", comm: Any = None, group: Any = None) -> None:
         backoff = 1.0 / growth_factor if backoff_factor is None else backoff_factor
-        if not (math.isfinite(init_scale) and init_scale > 0):
-            raise ValueError(f"init_scale must be a finite number > 0, got {init_scale!r}")
-        if not growth_factor > 1:
-            raise ValueError(f"growth_factor must be > 1 (the scale grows by it), got {growth_factor!r}")
-        if not 0 < backoff < 1:
-            raise ValueError(f"backoff_factor must be in (0, 1) (the scale shrinks by it), got {backoff!r}")
-        for name, value in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if min_scale is not None and not min_scale >= 0:
-            raise ValueError(f"min_scale must be >= 0 or None (no floor), got {min_scale!r}")
-        if min_scale is not None and init_scale < min_scale:
-            raise ValueError(f"init_scale={init_scale} is below min_scale={min_scale}: raise init_scale or lower "
-                             "min_scale")
-        if growth_rule not in GROWTH_RULES:
-            raise ValueError(f"growth_rule must be one of {GROWTH_RULES}, got {growth_rule!r}")
+        check_scaler_settings(init_scale, growth_factor=growth_factor, backoff_factor=backoff,
+                              growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale,
+                              growth_rule=growth_rule)
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff)
         self.growth_interval = growth_interval
@@ -279,19 +299,44 @@ class DynamicLossScaler:
                 "raise_error_at_min_scale": self.raise_error_at_min_scale, "growth_rule": self.growth_rule}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; a resumed run then scales exactly as the original would have."""
+        """Restore :meth:`state_dict` output; a resumed run then scales exactly as the original would have.
+
+        The state is checked as the constructor checks its arguments (:func:`check_scaler_settings`,
+        settings missing from ``state`` keep their current values), and its counters for what
+        :meth:`update` can produce; a bad state raises ``ValueError`` and changes nothing.
+        """
         missing = {"scale", "cur_iter", "last_overflow_iter", "cur_hysteresis"} - set(state)
         if missing:
             raise ValueError(f"not a DynamicLossScaler state dict: missing {sorted(missing)}")
-        for key in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale",
-                    "consecutive_hysteresis", "raise_error_at_min_scale", "growth_rule"):
+        settings = {key: state.get(key, getattr(self, key)) for key in (
+            "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "growth_rule")}
+        check_scaler_settings(state["scale"], scale_name="scale", **settings)
+        counters = {key: state.get(key, 0) for key in ("cur_iter", "last_overflow_iter", "cur_hysteresis",
+                                                        "num_overflows")}
+        lowest = {"cur_iter": 0, "last_overflow_iter": -1, "cur_hysteresis": 1, "num_overflows": 0}
+        for key, value in counters.items():
+            if not _is_int(value) or value < lowest[key]:
+                raise ValueError(f"{key} must be an int >= {lowest[key]}, got {value!r}")
+        if counters["cur_hysteresis"] > settings["hysteresis"]:
+            raise ValueError(f"cur_hysteresis={counters['cur_hysteresis']} exceeds hysteresis="
+                             f"{settings['hysteresis']}: the state's settings and counters do not belong together")
+        if counters["last_overflow_iter"] >= counters["cur_iter"]:
+            raise ValueError(f"last_overflow_iter={counters['last_overflow_iter']} must be below cur_iter="
+                             f"{counters['cur_iter']} (an overflow is recorded at an update already counted)")
+        self.growth_factor = float(settings["growth_factor"])
+        self.backoff_factor = float(settings["backoff_factor"])
+        self.growth_interval = int(settings["growth_interval"])
+        self.hysteresis = int(settings["hysteresis"])
+        self.min_scale = None if settings["min_scale"] is None else float(settings["min_scale"])
+        self.growth_rule = settings["growth_rule"]
+        for key in ("consecutive_hysteresis", "raise_error_at_min_scale"):
             if key in state:
-                setattr(self, key, state[key])
+                setattr(self, key, bool(state[key]))
         self.scale = float(state["scale"])
-        self.cur_iter = int(state["cur_iter"])
-        self.last_overflow_iter = int(state["last_overflow_iter"])
-        self.cur_hysteresis = int(state["cur_hysteresis"])
-        self.num_overflows = int(state.get("num_overflows", 0))
+        self.cur_iter = int(counters["cur_iter"])
+        self.last_overflow_iter = int(counters["last_overflow_iter"])
+        self.cur_hysteresis = int(counters["cur_hysteresis"])
+        self.num_overflows = int(counters["num_overflows"])
 
     def __repr__(self) -> str:
         return (f"DynamicLossScaler(scale={self.scale:g}, growth_interval={self.growth_interval}, "

@@ -7,13 +7,30 @@ Groups. ``ctx.group(*axes)`` is the process group of any axis or combination of
 axes: ``ctx.group("dp")`` for plain data parallelism, ``ctx.group("dp", "cp")`` to
 reduce gradients when sequences are also split over context parallelism,
 ``ctx.group("tp", "pp")`` for a global gradient norm. All of them are created in
-:meth:`ParallelContext.create`, eagerly, on every rank and in the same order
-(``new_group`` is collective over the whole world), so nothing later depends on
-ranks asking in the same order. No group is created twice: a combination is
-determined by its axes of size > 1 (``group("tp", "cp")`` *is* ``group("tp")``
-when cp = 1), a combination spanning every rank is ``dist.group.WORLD``, and the
-combinations of size-1 axes share one single-rank group. With k axes of size > 1
-that is at most 2^k - 1 distinct partitions of the world.
+:meth:`ParallelContext.create`, eagerly, on every rank and in the same order, so
+nothing later depends on ranks asking in the same order (creation is collective, and
+ranks that create overlapping groups in different orders can deadlock). No group is
+created twice: a combination is determined by its axes of size > 1
+(``group("tp", "cp")`` *is* ``group("tp")`` when cp = 1), a combination spanning
+every rank is ``dist.group.WORLD``, and the combinations of size-1 axes share one
+single-rank group. With k axes of size > 1 that is at most 2^k - 1 distinct
+partitions of the world, and this rank belongs to one group of each.
+
+How they are created (:func:`create_groups`), cheapest first, each only what torch lets be safe:
+
+* the single-rank group: by this rank alone (``use_local_synchronization=True``), not by
+  a world-wide call per rank as before (``world_size`` calls at every start);
+* on NCCL with a bound device (``init_distributed`` binds it): one ``split_group`` per
+  partition (``ncclCommSplit`` from the world communicator), as torch's ``DeviceMesh`` does;
+  ``new_group`` there would do one world-wide split per *group*, and member-only creation
+  would hang, since a split needs every rank of the parent;
+* otherwise (gloo): ``new_group`` for every group of a partition, called on every rank.
+  Only members take part: a non-member's call returns before any store or network access
+  (torch 2.13). Member-only creation (``use_local_synchronization=True``) is *not* used:
+  its group names are a hash of the ranks and of the number of live groups, so a group
+  destroyed by :meth:`ParallelContext.with_grid` and made again gets the same name, and
+  gloo's rendezvous then reads the dead group's addresses from the store (measured: the
+  first collective times out). torch's sequential names are never reused.
 
 ``ctx.mesh`` is a torch ``DeviceMesh`` with dims ``("pp", "dp", "cp", "tp")`` over
 the same ranks (size-1 dims included, so ``ctx.mesh["dp"]`` always exists), for
@@ -48,12 +65,42 @@ SELF_GROUP_NAME = "self"
 def group_plan(grid: RankGrid) -> list[tuple[str, ...]]:
     """The distinct groupings :meth:`ParallelContext.create` makes, in creation order.
 
-    Each entry is a tuple of axes of size > 1 (``()``: every rank alone). Every
-    combination of axes maps to the entry of its size > 1 axes. The last entry is
-    the grouping that spans the world (``dist.group.WORLD``, not created).
+    Each entry is a tuple of axes of size > 1 (``()``: every rank alone, made only where
+    some axis has size 1). Every combination of axes maps to the entry of its size > 1
+    axes. The last entry is the grouping that spans the world (``dist.group.WORLD``, not created).
     """
     big = tuple(a for a in AXES if getattr(grid, a) > 1)
     return [combo for k in range(len(big) + 1) for combo in itertools.combinations(big, k)]
+
+
+def _bound_device_split() -> bool:
+    """True where torch can split groups from the world communicator (NCCL with a bound device)."""
+    return getattr(dist.group.WORLD, "bound_device_id", None) is not None and torch.accelerator.is_available()
+
+
+def create_groups(grid: RankGrid, rank: int, timeout: timedelta | None = None) -> dict[tuple[str, ...], Any]:
+    """This rank's group of every partition in :func:`group_plan` (the world one is ``dist.group.WORLD``).
+
+    Collective: every rank calls it at the same point, and every rank walks the same
+    partitions in the same order, so two ranks never wait on each other's groups in
+    opposite orders. See the module doc for which torch call makes each group and why.
+    """
+    plan = group_plan(grid)
+    mine: dict[tuple[str, ...], Any] = {plan[-1]: dist.group.WORLD}
+    split = _bound_device_split()
+    for axes in plan[:-1]:
+        if not axes:  # every rank alone: a one-member group needs no peer
+            if all(getattr(grid, a) > 1 for a in AXES):
+                continue  # no combination of axes reduces to "self": nothing would use it
+            mine[axes] = dist.new_group([rank], timeout=timeout, use_local_synchronization=True)
+        elif split:
+            mine[axes] = dist.split_group(split_ranks=grid.groups(*axes), timeout=timeout)
+        else:
+            for ranks in grid.groups(*axes):
+                pg = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    mine[axes] = pg
+    return mine
 
 
 def group_name(axes: tuple[str, ...]) -> str:
@@ -90,6 +137,9 @@ class ParallelContext:
     rng: Any = None
     _groups: dict[tuple[str, ...], Any] = field(default_factory=dict, repr=False)
     _mesh: Any = field(default=None, repr=False)
+    #: The context the last :meth:`with_grid` call built (its groups are destroyed when another replaces it).
+    _derived: ParallelContext | None = field(default=None, repr=False)
+    _replaced: bool = field(default=False, repr=False)
 
     @classmethod
     def create(cls, grid: RankGrid, rank: int, local_rank: int, node_rank: int, device: torch.device,
@@ -107,17 +157,7 @@ class ParallelContext:
         ctx = cls(grid=grid, rank=rank, local_rank=local_rank, node_rank=node_rank, device=device, backend=backend,
                   world_group=dist.group.WORLD, timeout_s=timeout_s, comm=comm)
         group_timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
-        plan = group_plan(grid)
-        mine: dict[tuple[str, ...], Any] = {}
-        for axes in plan[:-1]:
-            # new_group is collective over the whole world: every rank creates every
-            # group of this grouping, in the same order, even the ones it is not in.
-            members = grid.groups(*axes) if axes else [[r] for r in range(grid.world_size)]
-            for ranks in members:
-                pg = dist.new_group(ranks, timeout=group_timeout)
-                if rank in ranks:
-                    mine[axes] = pg
-        mine[plan[-1]] = dist.group.WORLD  # recorded as "world" by the Comm
+        mine = create_groups(grid, rank, group_timeout)  # the world's entry is recorded as "world" by the Comm
         for axes, pg in mine.items():
             if pg is not dist.group.WORLD:
                 comm.name_group(pg, group_name(axes))
@@ -131,6 +171,9 @@ class ParallelContext:
     # -- groups --------------------------------------------------------------------
     def group(self, *axes: str) -> Any:
         """The process group of this rank over ``axes`` (any order; ``"dp,cp"`` strings accepted)."""
+        if self._replaced:
+            raise RuntimeError("this ParallelContext was replaced by a later with_grid() call on the context it came "
+                               "from, and its groups were destroyed: use the context that call returned")
         if not self._groups:
             raise RuntimeError("this ParallelContext has no groups: build it with ParallelContext.create()")
         return self._groups[canonical_axes(axes)]
@@ -157,17 +200,48 @@ class ParallelContext:
     def with_grid(self, **sizes: Any) -> ParallelContext:
         """A context over the same processes with another grid (``tp=2``, ``pp=2, dp=None``), sharing this ledger.
 
-        ``self`` when the grid is already that one; otherwise the new grid's groups are created
-        now, inside the existing process group, so every rank must call this at the same time
-        (``new_group`` is collective). Recipes use it to run with their own grid in a job launched
-        with another (several runs in one launch).
+        ``self`` when the grid is already that one, and the context the previous call returned
+        when it asked for the same grid. Otherwise the new grid's groups are created now, inside
+        the existing process group, so every rank must call this at the same time (group
+        creation is collective). The context a previous call returned is replaced: after a
+        barrier (no rank may still be talking in them) its groups are destroyed, since NCCL
+        communicators would otherwise pile up, one set per run; using it afterwards raises.
+        Recipes use it to run with their own grid in a job launched with another (several runs
+        in one launch). ``self``'s own groups are never touched.
         """
         grid = RankGrid.build(self.world_size, **sizes)
         if self.grid.sizes == grid.sizes:
             return self
-        return ParallelContext.create(grid, rank=self.rank, local_rank=self.local_rank, node_rank=self.node_rank,
-                                      device=self.device, backend=self.backend, timeout_s=self.timeout_s,
-                                      comm=self.comm)
+        if self._derived is not None:
+            if self._derived.grid.sizes == grid.sizes:
+                return self._derived
+            self._derived.release_groups()
+            self._derived = None
+        self._derived = ParallelContext.create(grid, rank=self.rank, local_rank=self.local_rank,
+                                               node_rank=self.node_rank, device=self.device, backend=self.backend,
+                                               timeout_s=self.timeout_s, comm=self.comm)
+        return self._derived
+
+    def release_groups(self) -> None:
+        """Destroy this context's own process groups (never the world); collective, after a world barrier.
+
+        Every rank calls it at the same point. The context cannot be used for communication
+        afterwards (:meth:`group` raises). :meth:`with_grid` calls it on the context it replaces.
+        """
+        if self._derived is not None:
+            self._derived.release_groups()
+            self._derived = None
+        dist.barrier()  # a fast rank must not destroy a group that a slow one still talks in
+        seen: set[int] = set()
+        for pg in self._groups.values():
+            if pg is not dist.group.WORLD and id(pg) not in seen:
+                seen.add(id(pg))
+                self.comm.forget_group(pg)
+                dist.destroy_process_group(pg)
+        self._groups.clear()
+        self._mesh = None
+        self.tp_group = self.dp_group = self.pp_group = self.cp_group = None
+        self._replaced = True
 
     # -- coordinates -------------------------------------------------------------
     @property

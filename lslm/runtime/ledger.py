@@ -93,6 +93,10 @@ class Comm:
         """Record calls on ``group`` under the axis ``name`` (ParallelContext names all of its groups)."""
         self._names[id(group)] = (group, name)  # keep the group: its id cannot be reused while we hold it
 
+    def forget_group(self, group: Any) -> None:
+        """Drop ``group``'s name (it was destroyed): the Comm no longer keeps it alive."""
+        self._names.pop(id(group), None)
+
     def group_name(self, group: Any) -> str:
         """The ledger axis of ``group``: "world" for the default group (``None`` or the object), else its name or ""."""
         if group is None or (dist.is_initialized() and group is dist.group.WORLD):

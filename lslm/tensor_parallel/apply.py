@@ -225,9 +225,14 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, plan: TPPlan |
     ``plan`` defaults to :func:`plan_for` ``(model)``. Sizes that do not divide raise
     ``ValueError`` naming them, before any module is replaced. Dropout: if the model has
     any, ``ctx.rng`` is set up with :func:`~lslm.tensor_parallel.random.model_parallel_seed`
-    ``(ctx, rng_seed)`` unless it already exists, and the plan's sharded dropout draws
-    from the tensor-parallel stream. Under ``sequence_parallel`` every dropout in the model
-    acts on a slice of the sequence and so draws from that stream too.
+    ``(ctx, rng_seed, reseed_default=False)`` unless it already exists, and the plan's sharded
+    dropout draws from the tensor-parallel stream. Under ``sequence_parallel`` every dropout in
+    the model acts on a slice of the sequence and so draws from that stream too.
+
+    The global (default) generator is not touched: replicated dropout keeps drawing from the
+    caller's stream, identical on the tp ranks after ``init_distributed`` and the same model
+    build. For a default stream of its own per pipeline stage, call ``model_parallel_seed(ctx,
+    seed)`` first (it re-seeds the default generator, its documented purpose).
     """
     if getattr(model, "tensor_parallel", None) is not None:
         raise ValueError("this model is already tensor-parallel (apply_tensor_parallel was called on it)")
@@ -251,7 +256,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, plan: TPPlan |
     for fix in plan.fixups:
         fix(model, ctx, opts)
     if ctx.tp_size > 1 and _has_dropout(model):
-        tracker = ctx.rng if ctx.rng is not None else model_parallel_seed(ctx, rng_seed)
+        tracker = ctx.rng if ctx.rng is not None else model_parallel_seed(ctx, rng_seed, reseed_default=False)
         names = dict(model.named_modules())
         if sequence_parallel:  # every activation is a slice (of heads or of the sequence): the whole forward
             sharded, replicated = [""], []

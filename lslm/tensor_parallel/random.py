@@ -175,7 +175,7 @@ def stream_seeds(seed: int, tp_rank: int, pp_rank: int) -> dict[str, int]:
     return {DEFAULT_RNG: base, TENSOR_PARALLEL_RNG: base + TP_SEED_OFFSET + tp_rank}
 
 
-def model_parallel_seed(ctx: Any, seed: int) -> RNGStatesTracker:
+def model_parallel_seed(ctx: Any, seed: int, *, reseed_default: bool = True) -> RNGStatesTracker:
     """Seed the default and tensor-parallel streams of this rank; store the tracker on ``ctx.rng``, return it.
 
     * default stream: ``seed + 100 * pp_rank``, re-seeded now (``torch.manual_seed``).
@@ -188,12 +188,20 @@ def model_parallel_seed(ctx: Any, seed: int) -> RNGStatesTracker:
     These are Megatron-LM's offsets (``_set_random_seed``, ``model_parallel_cuda_manual_seed``).
     Call it after building (and slicing) the weights: they must come from the one seed
     every rank shares, and this re-seeds the default generator per stage.
+
+    ``reseed_default=False`` adds the tensor-parallel stream only and leaves the default
+    generator exactly as it is (what :func:`~lslm.tensor_parallel.apply.apply_tensor_parallel`
+    does: a library call should not reset the caller's random stream). The default stream
+    is then the caller's, which must be identical on the tp ranks of a stage (as
+    :func:`~lslm.runtime.init_distributed` leaves it when every rank builds the same model).
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     seeds = stream_seeds(seed, ctx.tp_rank, ctx.pp_rank)
-    torch.manual_seed(seeds[DEFAULT_RNG])
-    tracker = RNGStatesTracker(ctx.device, default_seed=seeds[DEFAULT_RNG])
+    if reseed_default:
+        torch.manual_seed(seeds[DEFAULT_RNG])
+    # The default seed is reserved (no stream may repeat it) only when it is the one in use.
+    tracker = RNGStatesTracker(ctx.device, default_seed=seeds[DEFAULT_RNG] if reseed_default else None)
     tracker.add(TENSOR_PARALLEL_RNG, seeds[TENSOR_PARALLEL_RNG])
     ctx.rng = tracker
     return tracker
