@@ -381,7 +381,7 @@ def test_a_second_interrupt_waits_for_the_clean_up() -> None:
 def test_deferred_signals_keep_an_ignored_interrupt_ignored() -> None:
     # Under nohup SIGINT is ignored: a SIGINT during clean-up is held back, then delivered to the
     # disposition the process had, so it stays ignored (no KeyboardInterrupt the user opted out of).
-    from lslm.runtime.process_tree import deferred_signals
+    from lslm.launcher.process_tree import deferred_signals
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

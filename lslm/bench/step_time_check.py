@@ -63,7 +63,8 @@ def worker(model: dict[str, Any], bucket_caps_mb: list[float], batch_per_rank: i
         # spares every rank the seconds that importing the corpus tooling (datasets) takes.
         gen = torch.Generator().manual_seed(seed + ctx.rank)
         shape = (batch_per_rank, model["block_size"] + 1)
-        data = [torch.randint(model["vocab_size"], shape, generator=gen).to(dev) for _ in range(warmup + steps)]
+        data = [torch.randint(model["vocab_size"], shape, generator=gen).to(dev)  # lslm: cpu-ok (host RNG, then moved)
+                for _ in range(warmup + steps)]
 
         entries: list[tuple[str, Any, Any, Any]] = []
         for mb in [None, *bucket_caps_mb]:

@@ -60,7 +60,8 @@ def model_state_bytes(
       one flat buffer count once, at the storage's full size.
     * Categories are filled in the order params, grads, optimizer_states,
       buffers; a storage shared between categories counts in the first one only.
-    * Grads: ``p.grad`` of every parameter that has one.
+    * Grads: ``p.grad`` of every parameter that has one, else its ``main_grad`` (a view of a
+      gradient buffer: the buffer counts once, padding included).
     * Optimizer states: every tensor in ``optimizer.state`` — for Adam,
       ``exp_avg``, ``exp_avg_sq`` *and* the 0-d ``step`` tensor (float32, on the
       CPU unless ``capturable``/``fused``), because it is memory too. Parameters
@@ -93,7 +94,9 @@ def model_state_bytes(
         state_tensors = list(tensors_in(list(optimizer.state.values())))
 
     param_bytes = count(params)
-    grad_bytes = count(p.grad for p in params + masters if p.grad is not None)
+    # A gradient buffer (lslm.data_parallel.grad_buffer) holds the gradient in main_grad, .grad being None.
+    grads = (p.grad if p.grad is not None else getattr(p, "main_grad", None) for p in params + masters)
+    grad_bytes = count(g for g in grads if g is not None)
     state_bytes = count(masters) + count(state_tensors)
     buffer_bytes = count(model.buffers())
     return ModelStateBytes(
