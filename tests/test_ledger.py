@@ -7,6 +7,7 @@ the byte counts and times on real processes are checked in tests/test_context.py
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -166,6 +167,41 @@ def test_a_disabled_ledger_hands_back_torchs_p2p_works_and_counts_them() -> None
         comm.ledger.enabled = True
         comm.isend(x, 1).wait()
         assert comm.ledger.calls() == 1 and comm.ledger.records[0].completion_s is not None
+
+
+def test_a_disabled_ledger_is_torchs_call_plus_a_counter_for_every_collective() -> None:
+    """The fast path: no record, no completion, torch's own work back; counted in dropped; on again: recorded."""
+    from lslm.runtime.completion import TimedWork
+
+    with fake_world(0, 2):
+        comm = Comm()
+        comm.ledger.enabled = False
+        x, out = torch.ones(4), torch.empty(8)
+        work = comm.all_reduce(x, async_op=True)
+        assert work is not None and not isinstance(work, TimedWork)
+        work.wait()
+        assert comm.all_reduce(x) is None
+        comm.broadcast(x, 0)
+        comm.reduce(x, 0)
+        comm.all_gather([torch.empty(4), torch.empty(4)], x)
+        comm.all_gather_into_tensor(out, x)
+        comm.reduce_scatter_tensor(torch.empty(4), out)
+        comm.all_to_all_single(torch.empty(4), x)
+        comm.barrier()
+        assert comm.ledger.calls() == 0 and comm.ledger.dropped == 9
+        comm.ledger.enabled = True
+        assert isinstance(comm.all_reduce(x, async_op=True), TimedWork)
+        comm.all_reduce(x)
+        assert comm.ledger.calls() == 2 and comm.ledger.dropped == 9
+
+
+def test_marks_are_host_times_on_the_cpu() -> None:
+    from lslm.runtime.completion import Completion, mark, resolve
+
+    before = time.perf_counter()
+    m = mark(torch.device("cpu"))
+    assert isinstance(m, Completion) and before <= resolve(m) <= time.perf_counter()
+    assert resolve(1.5) == 1.5 and resolve(None) is None
 
 
 def test_scratch_buffers_are_reused_per_slot_thread_and_dtype_and_grow() -> None:

@@ -122,25 +122,25 @@ class _SplitLinearFn(torch.autograd.Function):
     """``F.linear`` whose backward defers the weight gradients while the layer's store is deferring."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    def forward(fn: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 layer: SplitLinear) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.layer = layer
+        fn.save_for_backward(x, weight)
+        fn.layer = layer
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        x, weight = ctx.saved_tensors
-        layer: SplitLinear = ctx.layer
-        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        if not (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
+    def backward(fn: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = fn.saved_tensors
+        layer: SplitLinear = fn.layer
+        grad_x = grad_out.matmul(weight) if fn.needs_input_grad[0] else None
+        if not (fn.needs_input_grad[1] or fn.needs_input_grad[2]):
             return grad_x, None, None, None
         store = layer.store
         if store is not None and store.active_mb is not None:
             store.defer(layer, x, grad_out)
             return grad_x, None, None, None
         gw, gb = weight_grads(x, grad_out, layer.bias is not None)
-        return grad_x, gw if ctx.needs_input_grad[1] else None, gb if ctx.needs_input_grad[2] else None, None
+        return grad_x, gw if fn.needs_input_grad[1] else None, gb if fn.needs_input_grad[2] else None, None
 
 
 class SplitLinear(nn.Linear):

@@ -114,6 +114,24 @@ def stamp(completions: Sequence[Completion], device: torch.device | None) -> Non
         c.set(now)
 
 
+def mark(device: torch.device | None) -> Completion:
+    """A completion stamped now: the host clock on the CPU, an event on the current stream on CUDA.
+
+    For timelines of work that runs on a device: on CUDA the host reaches a line of code when
+    it *enqueues* the kernels before it, so a host clock there times launches, not the work;
+    the event fires when the stream really gets there. Read it with :meth:`Completion.time`.
+    """
+    c = Completion()
+    prepare(device)
+    stamp([c], device)
+    return c
+
+
+def resolve(value: Any) -> Any:
+    """``value.time()`` for a :class:`Completion` (None until its event happened), else ``value`` itself."""
+    return value.time() if isinstance(value, Completion) else value
+
+
 class TimedWork:
     """A ``torch.distributed`` work handle that stamps its records' completion time.
 

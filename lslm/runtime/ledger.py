@@ -154,6 +154,20 @@ class Comm:
         self.ledger.record(rec)
         return rec
 
+    def _collective(self, op: str, t: torch.Tensor, nbytes: int, group: Any, label: str, fn: Callable[..., Any],
+                    *args: Any, **kwargs: Any) -> Any:
+        """Record and run the collective ``fn``; while the ledger is disabled, only count it and run it.
+
+        The disabled path is torch's call plus one counter: no record, no clock, no work wrapper
+        and no completion callback (measured against a bare ``torch.distributed`` call in
+        ``tests/test_ledger.py``'s overhead check and ``lslm bench ledger``).
+        """
+        if not self.ledger.enabled:
+            self.ledger.drop(1)
+            return fn(*args, **kwargs)
+        rec = self._issue(op, t, nbytes, group, label=label)
+        return self._call(rec, t.device, fn, *args, **kwargs)
+
     def _call(self, rec: CommRecord, device: torch.device, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn``; stamp ``rec`` when it returns (blocking) or wrap its work (asynchronous)."""
         work = fn(*args, **kwargs)
@@ -173,29 +187,29 @@ class Comm:
                    async_op: bool = False, label: str = "") -> Any:
         """In-place all-reduce of ``tensor`` across ``group``."""
         self._contig(tensor)
-        rec = self._issue("all_reduce", tensor, _nbytes(tensor), group, label=label)
-        return self._call(rec, tensor.device, dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
+        return self._collective("all_reduce", tensor, _nbytes(tensor), group, label, dist.all_reduce, tensor, op=op,
+                                group=group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False,
                   label: str = "") -> Any:
         """In-place broadcast of ``tensor`` from global rank ``src``."""
         self._contig(tensor)
-        rec = self._issue("broadcast", tensor, _nbytes(tensor), group, label=label)
-        return self._call(rec, tensor.device, dist.broadcast, tensor, src=src, group=group, async_op=async_op)
+        return self._collective("broadcast", tensor, _nbytes(tensor), group, label, dist.broadcast, tensor, src=src,
+                                group=group, async_op=async_op)
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp.RedOpType = ReduceOp.SUM, group: Any = None,
                async_op: bool = False, label: str = "") -> Any:
         """Reduce ``tensor`` onto global rank ``dst`` (in place there)."""
         self._contig(tensor)
-        rec = self._issue("reduce", tensor, _nbytes(tensor), group, label=label)
-        return self._call(rec, tensor.device, dist.reduce, tensor, dst=dst, op=op, group=group, async_op=async_op)
+        return self._collective("reduce", tensor, _nbytes(tensor), group, label, dist.reduce, tensor, dst=dst, op=op,
+                                group=group, async_op=async_op)
 
     def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
                    async_op: bool = False, label: str = "") -> Any:
         """Gather every rank's ``tensor`` into ``tensor_list`` on every rank."""
         self._contig(tensor, *tensor_list)
-        rec = self._issue("all_gather", tensor, sum(_nbytes(t) for t in tensor_list), group, label=label)
-        return self._call(rec, tensor.device, dist.all_gather, tensor_list, tensor, group=group, async_op=async_op)
+        return self._collective("all_gather", tensor, sum(_nbytes(t) for t in tensor_list), group, label,
+                                dist.all_gather, tensor_list, tensor, group=group, async_op=async_op)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Any = None,
                                async_op: bool = False, label: str = "") -> Any:
@@ -204,9 +218,9 @@ class Comm:
         if output.numel() != input.numel() * dist.get_world_size(group):
             raise ValueError(f"output has {output.numel()} elements, expected input.numel() x group size = "
                              f"{input.numel()} x {dist.get_world_size(group)}")
-        rec = self._issue("all_gather", input, _nbytes(output), group, label=label)
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return self._call(rec, input.device, fn, output, input, group=group, async_op=async_op)
+        return self._collective("all_gather", input, _nbytes(output), group, label, fn, output, input, group=group,
+                                async_op=async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM,
                               group: Any = None, async_op: bool = False, label: str = "") -> Any:
@@ -215,44 +229,45 @@ class Comm:
         if input.numel() != output.numel() * dist.get_world_size(group):
             raise ValueError(f"input has {input.numel()} elements, expected output.numel() x group size = "
                              f"{output.numel()} x {dist.get_world_size(group)}")
-        rec = self._issue("reduce_scatter", input, _nbytes(input), group, label=label)
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return self._call(rec, input.device, fn, output, input, op=op, group=group, async_op=async_op)
+        return self._collective("reduce_scatter", input, _nbytes(input), group, label, fn, output, input, op=op,
+                                group=group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor],
                        op: ReduceOp.RedOpType = ReduceOp.SUM, group: Any = None, async_op: bool = False,
                        label: str = "") -> Any:
         """List form of reduce-scatter: ``output`` receives the reduction of everyone's ``input_list[rank]``."""
         self._contig(output, *input_list)
-        rec = self._issue("reduce_scatter", output, sum(_nbytes(t) for t in input_list), group, label=label)
-        return self._call(rec, output.device, dist.reduce_scatter, output, input_list, op=op, group=group,
-                          async_op=async_op)
+        return self._collective("reduce_scatter", output, sum(_nbytes(t) for t in input_list), group, label,
+                                dist.reduce_scatter, output, input_list, op=op, group=group, async_op=async_op)
 
     def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, group: Any = None,
                async_op: bool = False, label: str = "") -> Any:
         """Gather every rank's ``tensor`` into ``gather_list`` on global rank ``dst``."""
         self._contig(tensor)
-        rec = self._issue("gather", tensor, _nbytes(tensor) * dist.get_world_size(group), group, label=label)
-        return self._call(rec, tensor.device, dist.gather, tensor, gather_list, dst=dst, group=group,
-                          async_op=async_op)
+        return self._collective("gather", tensor, _nbytes(tensor) * dist.get_world_size(group), group, label,
+                                dist.gather, tensor, gather_list, dst=dst, group=group, async_op=async_op)
 
     def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, group: Any = None,
                 async_op: bool = False, label: str = "") -> Any:
         """Scatter ``scatter_list`` from global rank ``src``: rank i receives item i into ``tensor``."""
         self._contig(tensor)
-        rec = self._issue("scatter", tensor, _nbytes(tensor) * dist.get_world_size(group), group, label=label)
-        return self._call(rec, tensor.device, dist.scatter, tensor, scatter_list, src=src, group=group,
-                          async_op=async_op)
+        return self._collective("scatter", tensor, _nbytes(tensor) * dist.get_world_size(group), group, label,
+                                dist.scatter, tensor, scatter_list, src=src, group=group, async_op=async_op)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, group: Any = None,
                           async_op: bool = False, label: str = "") -> Any:
         """Equal-split all-to-all: chunk j of ``input`` goes to rank j, which stores it as chunk ``rank``."""
         self._contig(output, input)
-        rec = self._issue("all_to_all", input, _nbytes(input), group, label=label)
-        return self._call(rec, input.device, dist.all_to_all_single, output, input, group=group, async_op=async_op)
+        return self._collective("all_to_all", input, _nbytes(input), group, label, dist.all_to_all_single, output,
+                                input, group=group, async_op=async_op)
 
     def barrier(self, group: Any = None, label: str = "") -> None:
         """Block until every rank of ``group`` arrives (recorded with 0 bytes; completion on the host clock)."""
+        if not self.ledger.enabled:
+            self.ledger.drop(1)
+            dist.barrier(group=group)
+            return
         rec = self._issue("barrier", None, 0, group, label=label)
         dist.barrier(group=group)
         rec.complete()  # a blocking barrier returns once every rank arrived, on every backend
@@ -261,6 +276,10 @@ class Comm:
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None, label: str = "") -> None:
         """Blocking send of ``tensor`` to global rank ``dst``."""
         self._contig(tensor)
+        if not self.ledger.enabled:
+            self.ledger.drop(1)
+            dist.send(tensor, dst=dst, group=group)
+            return
         rec = self._issue("send", tensor, _nbytes(tensor), group, peer=dst, label=label)
         dist.send(tensor, dst=dst, group=group)
         stamp([rec.done], tensor.device)
@@ -268,6 +287,10 @@ class Comm:
     def recv(self, tensor: torch.Tensor, src: int, group: Any = None, label: str = "") -> None:
         """Blocking receive into ``tensor`` from global rank ``src``."""
         self._contig(tensor)
+        if not self.ledger.enabled:
+            self.ledger.drop(1)
+            dist.recv(tensor, src=src, group=group)
+            return
         rec = self._issue("recv", tensor, _nbytes(tensor), group, peer=src, label=label)
         dist.recv(tensor, src=src, group=group)
         stamp([rec.done], tensor.device)

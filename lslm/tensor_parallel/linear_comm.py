@@ -16,20 +16,21 @@ One autograd function, three modes (Megatron-LM's ``LinearWithGradAccumulationAn
   input is all-gathered again there (Korthikanti et al. 2022, Section 4.2.2): activation
   memory ``1/t`` for one more all-gather per layer.
 
-``overlap_log``, if a list, receives per backward the ``perf_counter`` times at which the
-weight-gradient matmul started and ended, next to the ledger record of the collective it
-overlapped, so the overlap is measured from the ledger's issue/complete times.
+``overlap_log``, if a list, receives per backward the times at which the weight-gradient
+matmul started and ended (marks: the host clock on the CPU, CUDA events on GPUs, see
+:func:`lslm.runtime.completion.mark`), next to the ledger record of the collective it
+overlapped, so the overlap is measured against the collective's completion time.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.autograd import Function
 
+from lslm.runtime.completion import mark
 from lslm.runtime.context import ParallelContext
 from lslm.tensor_parallel.mappings import (
     SEQUENCE_DIM,
@@ -75,17 +76,21 @@ class _LinearWithTPCommunication(Function):
         elif fn.async_allreduce:
             grad_input = grad_input.contiguous()
             work = pctx.comm.all_reduce(grad_input, group=pctx.tp_group, async_op=True, label=bwd_label(fn.label))
-        start = time.perf_counter()
+        logging = work is not None and fn.overlap_log is not None
+        # Marks, not host clocks: on CUDA the host gets here when it has *enqueued* the work before (see
+        # lslm.runtime.completion.mark); the comm start is where the current stream lets the collective run.
+        start = mark(grad_out.device) if logging else None
         # The weight gradient runs while the collective above is in flight.
         flat_grad = grad_out.reshape(-1, grad_out.shape[-1])
         grad_weight = flat_grad.t().matmul(total.reshape(-1, total.shape[-1]))
         grad_bias = flat_grad.sum(dim=0) if fn.has_bias else None
-        end = time.perf_counter()
+        end = mark(grad_out.device) if logging else None
         if work is not None:
             work.wait()
-            if fn.overlap_log is not None:
+            if logging:
                 fn.overlap_log.append({"record": ledger.records[comm_index] if comm_index < len(ledger.records)
-                                       else None, "wgrad_start_s": start, "wgrad_end_s": end})
+                                       else None, "comm_start_s": start, "wgrad_start_s": start,
+                                       "wgrad_end_s": end})
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import nn
 
+from lslm.runtime.completion import resolve
 from lslm.tensor_parallel.layers import ColumnParallelLinear
 
 __all__ = ["overlap_log", "overlap_summary"]
@@ -44,9 +45,14 @@ def overlap_summary(log: list[dict[str, Any]]) -> dict[str, float]:
         done = rec.completion_s if rec is not None else None
         if done is None:
             continue
-        start, end = rec.issue_s, done
+        # The collective's start: where the stream let it run (a mark) when logged, else its host issue time.
+        start = resolve(entry.get("comm_start_s")) or rec.issue_s
+        w0, w1 = resolve(entry["wgrad_start_s"]), resolve(entry["wgrad_end_s"])
+        if w0 is None or w1 is None:
+            continue  # a CUDA event not reached yet
+        end = done
         comm += end - start
-        hidden += max(0.0, min(end, entry["wgrad_end_s"]) - max(start, entry["wgrad_start_s"]))
+        hidden += max(0.0, min(end, w1) - max(start, w0))
         counted += 1
     return {"collectives": counted, "comm_s": comm, "hidden_s": hidden, "exposed_s": comm - hidden,
             "hidden_fraction": hidden / comm if comm > 0 else 0.0}

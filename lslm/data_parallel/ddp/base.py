@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -61,6 +60,7 @@ from lslm.data_parallel.ddp.buckets import cap_bytes, plan_buckets
 from lslm.data_parallel.ddp.checks import first_mismatch
 from lslm.data_parallel.grad_buffer import has_main_grad
 from lslm.metrics.owners import MemoryRegistry
+from lslm.runtime.completion import mark, resolve
 
 GRAD_LABEL = "ddp-grad"
 BROADCAST_LABEL = "ddp-broadcast"
@@ -125,13 +125,14 @@ class DDPBase(nn.Module):
         self.world_size = dist.get_world_size(self.group)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.record_timeline = bool(record_timeline)
-        self.timeline: list[dict[str, Any]] = []
+        self._timeline: list[dict[str, Any]] = []
         self._timeline_lock = threading.Lock()
         self.memory_registry = MemoryRegistry()  # subclasses register their communication buffers here
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # shared tensors once
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        self._device = self.params[0].device if self.params else ctx.device
         self._require_sync = True  # False inside no_sync()
         self._sync_this_backward = True  # decided at each forward (grad enabled)
         self._synced_since_forward = False
@@ -191,10 +192,22 @@ class DDPBase(nn.Module):
         """
         return self.memory_registry.memory_owners()
 
+    @property
+    def timeline(self) -> list[dict[str, Any]]:
+        """The recorded bucket events, times as ``perf_counter`` seconds (None: a CUDA event not yet reached).
+
+        Times are marks (:func:`lslm.runtime.completion.mark`): the host clock on the CPU, CUDA
+        events on the current stream on GPUs, so a GPU timeline shows when the work happened,
+        not when the host enqueued it.
+        """
+        with self._timeline_lock:
+            rows = list(self._timeline)
+        return [{k: resolve(v) for k, v in row.items()} for row in rows]
+
     def reset_timeline(self) -> None:
         """Forget the recorded events."""
         with self._timeline_lock:
-            self.timeline.clear()
+            self._timeline.clear()
 
     # -- for subclasses ------------------------------------------------------------
     def _sync_grads(self) -> None:
@@ -205,10 +218,14 @@ class DDPBase(nn.Module):
 
     def _record(self, event: str, bucket: int, nbytes: int, **extra: Any) -> None:
         if self.record_timeline:
-            row = {"event": event, "bucket": bucket, "bytes": nbytes, "t": time.perf_counter(), "step": self._step,
+            row = {"event": event, "bucket": bucket, "bytes": nbytes, "t": mark(self._device), "step": self._step,
                    **extra}
             with self._timeline_lock:
-                self.timeline.append(row)
+                self._timeline.append(row)
+
+    def _mark(self) -> Any:
+        """A time mark for a timeline field (see :attr:`timeline`), or None when no timeline is recorded."""
+        return mark(self._device) if self.record_timeline else None
 
     def _unused_error(self, indices: list[int], where: str) -> RuntimeError:
         names = [self.param_names[i] for i in indices]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import torch
@@ -57,7 +56,11 @@ class BucketedDDP(BucketPlanDDP):
     already be on the wire. With ``record_timeline=True``, ``timeline`` gets
     ``{"event": "bucket_ready", "bucket", "bytes", "t", "step"}`` when a bucket is full
     and ``{"event": "allreduce_done", ..., "t_start"}`` when its all-reduce completes
-    (a callback on the work's future; ``t_start`` is when it was launched).
+    (a callback on the work's future; ``t_start`` is when it was launched). Times are
+    marks (:func:`lslm.runtime.completion.mark`): on gloo the future's callback runs on
+    gloo's thread when the operation ends; on NCCL it runs once the collective is enqueued,
+    with the current stream ordered after it, so the CUDA event recorded there fires when
+    the all-reduce has really completed.
     """
 
     variant = "bucketed"
@@ -166,7 +169,7 @@ class BucketedDDP(BucketPlanDDP):
     def _launch_in_order(self) -> None:
         while self._next < len(self._plan) and self._missing[self._next] == 0:
             b = self._next
-            t_start = time.perf_counter()
+            t_start = self._mark()
             work = self.comm.all_reduce(self._bucket_buffers[b], ReduceOp.SUM, group=self.group, async_op=True,
                                         label=GRAD_LABEL)
             if self.record_timeline:  # the callback runs when the all-reduce completes; we wait for it too

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
-import time
 from typing import Any
 
 import torch
@@ -121,7 +120,7 @@ class TorchDDP(DDPBase):
             b, nbytes = bucket.index(), buf.numel() * buf.element_size()
             self._bucket_names[b] = [names.get(id(p), "?") for p in bucket.parameters()]
             self._record("bucket_ready", b, nbytes)
-            t_start = time.perf_counter()
+            t_start = self._mark()
             work = comm.all_reduce(buf, ReduceOp.SUM, group=group, async_op=True, label=GRAD_LABEL)
 
             def done(fut: torch.futures.Future) -> torch.Tensor:

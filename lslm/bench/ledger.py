@@ -1,0 +1,104 @@
+"""What the communication ledger costs per call: a bare ``torch.distributed`` call vs lslm's ``Comm``.
+
+Three variants of the same all-reduce of one fp32 number, interleaved round by round in one
+process (a one-rank gloo group: the collective itself is a few microseconds of gloo, so the
+differences are the Python around it): ``torch`` (``dist.all_reduce``), ``disabled`` (``Comm``
+with ``ledger.enabled = False``: counted, nothing recorded) and ``enabled`` (a record, the
+clock, the axis name). Each round times ``calls`` calls per variant; the table gives the
+median over rounds of the time per call and the overhead over ``torch``. Synchronous and
+``async_op=True`` (then the work is waited) are measured separately: an asynchronous call
+also gets a work wrapper and a completion callback when the ledger is on.
+
+    python -m lslm.bench.ledger                   # writes bench/results/ledger_overhead.{txt,json}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lslm.runtime.ledger import Comm
+from lslm.runtime.startup import free_port
+
+__all__ = ["main", "measure"]
+
+VARIANTS = ("torch", "disabled", "enabled")
+
+
+def measure(calls: int = 2000, rounds: int = 15, async_op: bool = False) -> dict[str, float]:
+    """Median microseconds per call of each variant (and overheads over torch); needs an initialised group."""
+    x = torch.zeros(1)
+    off, on = Comm(), Comm()
+    off.ledger.enabled = False
+
+    def one(variant: str) -> None:
+        if variant == "torch":
+            work = dist.all_reduce(x, async_op=async_op)
+        else:
+            comm = off if variant == "disabled" else on
+            work = comm.all_reduce(x, async_op=async_op, label="bench")
+        if async_op:
+            work.wait()
+
+    samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for _ in range(3):  # warm-up
+        for v in VARIANTS:
+            one(v)
+    for r in range(rounds):
+        order = VARIANTS[r % 3:] + VARIANTS[:r % 3]  # rotate: no variant always runs first
+        for v in order:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                one(v)
+            samples[v].append((time.perf_counter() - t0) / calls * 1e6)
+        on.ledger.reset()
+    med = {v: statistics.median(s) for v, s in samples.items()}
+    return {**{f"{v}_us": med[v] for v in VARIANTS}, "disabled_overhead_us": med["disabled"] - med["torch"],
+            "enabled_overhead_us": med["enabled"] - med["torch"], "dropped": off.ledger.dropped}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Command line: measure both call styles in a one-rank gloo group and write the table and JSON."""
+    parser = argparse.ArgumentParser(prog="python -m lslm.bench.ledger", description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000, help="calls per variant per round (default 2000)")
+    parser.add_argument("--rounds", type=int, default=15, help="rounds; the table shows medians (default 15)")
+    parser.add_argument("--out", default="bench/results", help="folder for ledger_overhead.txt and .json")
+    args = parser.parse_args(argv)
+    if args.calls < 1 or args.rounds < 1:
+        parser.error("--calls and --rounds must be >= 1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        rows = {style: measure(args.calls, args.rounds, async_op=style == "async")
+                for style in ("sync", "async")}
+    finally:
+        dist.destroy_process_group()
+    lines = [f"per-call cost of an all-reduce of 1 float in a 1-rank gloo group, median of {args.rounds} rounds "
+             f"x {args.calls} calls (torch {torch.__version__})",
+             f"{'call':<6} {'torch us':>9} {'disabled us':>12} {'enabled us':>11} {'disabled-torch':>15} "
+             f"{'enabled-torch':>14}"]
+    for style, r in rows.items():
+        lines.append(f"{style:<6} {r['torch_us']:9.2f} {r['disabled_us']:12.2f} {r['enabled_us']:11.2f} "
+                     f"{r['disabled_overhead_us']:15.2f} {r['enabled_overhead_us']:14.2f}")
+    text = "\n".join(lines)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ledger_overhead.txt").write_text(text + "\n")
+    (out / "ledger_overhead.json").write_text(json.dumps({"calls": args.calls, "rounds": args.rounds,
+                                                          "rows": rows}, indent=1) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
