@@ -154,8 +154,8 @@ class Comm:
         self.ledger.record(rec)
         return rec
 
-    def _collective(self, op: str, t: torch.Tensor, nbytes: int, group: Any, label: str, fn: Callable[..., Any],
-                    *args: Any, **kwargs: Any) -> Any:
+    def _collective(self, kind: str, t: torch.Tensor, nbytes: int, group: Any, label: str, fn: Callable[..., Any],
+                    /, *args: Any, **kwargs: Any) -> Any:
         """Record and run the collective ``fn``; while the ledger is disabled, only count it and run it.
 
         The disabled path is torch's call plus one counter: no record, no clock, no work wrapper
@@ -165,7 +165,8 @@ class Comm:
         if not self.ledger.enabled:
             self.ledger.drop(1)
             return fn(*args, **kwargs)
-        rec = self._issue(op, t, nbytes, group, label=label)
+        # Positional-only: ``group`` and ``op`` also travel in kwargs, to torch's call.
+        rec = self._issue(kind, t, nbytes, group, label=label)
         return self._call(rec, t.device, fn, *args, **kwargs)
 
     def _call(self, rec: CommRecord, device: torch.device, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
