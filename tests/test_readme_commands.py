@@ -77,6 +77,8 @@ SMALLEST: dict[str, tuple[str | dict[str, str], str]] = {
     "lslm bench ddp": ("--quick --nprocs 2 --steps 1 --sweep-mb 1", "the full bench takes minutes"),
     "lslm bench tp": ("--quick --nprocs 2 --steps 1", "the full bench takes a minute"),
     "lslm bench pipeline": ("--quick --nprocs 2 --microbatches 4", "the full bench takes minutes"),
+    "python -m lslm.bench.ledger": ("--calls 20 --rounds 1", "15 rounds of 2,000 calls take seconds; 1 of 20 show "
+                                                              "the table and the files written"),
     MULTI_NODE: ({"N": "2", "GPUS_PER_NODE": "1", "HOST_OF_NODE_0:29500": "127.0.0.1:{port}"},
                  "two 'nodes' on this machine: the line runs twice at once, one process each, "
                  "a free port on localhost as node 0's endpoint"),

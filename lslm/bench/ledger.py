@@ -1,13 +1,18 @@
 """What the communication ledger costs per call: a bare ``torch.distributed`` call vs lslm's ``Comm``.
 
 Three variants of the same all-reduce of one fp32 number, interleaved round by round in one
-process (a one-rank gloo group: the collective itself is a few microseconds of gloo, so the
-differences are the Python around it): ``torch`` (``dist.all_reduce``), ``disabled`` (``Comm``
+process: ``torch`` (``dist.all_reduce``), ``disabled`` (``Comm``
 with ``ledger.enabled = False``: counted, nothing recorded) and ``enabled`` (a record, the
 clock, the axis name). Each round times ``calls`` calls per variant; the table gives the
 median over rounds of the time per call and the overhead over ``torch``. Synchronous and
 ``async_op=True`` (then the work is waited) are measured separately: an asynchronous call
 also gets a work wrapper and a completion callback when the ledger is on.
+
+Two worlds: ``--backend fake`` (the default: torch's fake process group, 2 ranks, whose
+collectives return at once, so what is timed is the Python around the call and nothing else;
+it lives in torch's internal testing package) and ``--backend gloo`` (a real one-rank gloo
+group, whose own ~45 us per call, handed to gloo's thread and back, is noisier than the
+overhead being measured).
 
     python -m lslm.bench.ledger                   # writes bench/results/ledger_overhead.{txt,json}
 """
@@ -70,20 +75,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m lslm.bench.ledger", description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000, help="calls per variant per round (default 2000)")
     parser.add_argument("--rounds", type=int, default=15, help="rounds; the table shows medians (default 15)")
+    parser.add_argument("--backend", choices=("fake", "gloo"), default="fake",
+                        help="fake: no communication at all, only the Python around it (default); gloo: 1 rank")
     parser.add_argument("--out", default="bench/results", help="folder for ledger_overhead.txt and .json")
     args = parser.parse_args(argv)
     if args.calls < 1 or args.rounds < 1:
         parser.error("--calls and --rounds must be >= 1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    if args.backend == "fake":
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # internal API: only here
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         rows = {style: measure(args.calls, args.rounds, async_op=style == "async")
                 for style in ("sync", "async")}
     finally:
         dist.destroy_process_group()
-    lines = [f"per-call cost of an all-reduce of 1 float in a 1-rank gloo group, median of {args.rounds} rounds "
+    world = "torch's fake 2-rank group (no communication)" if args.backend == "fake" else "a 1-rank gloo group"
+    lines = [f"per-call cost of an all-reduce of 1 float in {world}, median of {args.rounds} rounds "
              f"x {args.calls} calls (torch {torch.__version__})",
              f"{'call':<6} {'torch us':>9} {'disabled us':>12} {'enabled us':>11} {'disabled-torch':>15} "
              f"{'enabled-torch':>14}"]
@@ -96,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "ledger_overhead.txt").write_text(text + "\n")
     (out / "ledger_overhead.json").write_text(json.dumps({"calls": args.calls, "rounds": args.rounds,
-                                                          "rows": rows}, indent=1) + "\n")
+                                                          "backend": args.backend, "rows": rows}, indent=1) + "\n")
     return rows
 
 
