@@ -15,6 +15,7 @@ import torch
 from lslm.tensor_parallel.qkv import qkv_permutation, qkv_rows
 from lslm.tensor_parallel.vocab import pad_vocab_size, vocab_range
 from tests.helpers import run_workers
+from tests.tp_layers_workers import B, C, T
 
 # fp32, |values| <= ~10: the parallel sums run in another order than torch's single
 # matmul (partial sums per rank, then the all-reduce), so results differ by rounding.
@@ -52,6 +53,27 @@ def test_each_layer_communicates_exactly_what_megatron_does(nproc: int) -> None:
     assert ledger["cross_entropy"] == {"all_reduce|vocab-parallel-ce max": 1,
                                        "all_reduce|vocab-parallel-ce target+sumexp": 1,
                                        "all_gather|gather-logits fwd": 1}
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_a_block_copies_activations_only_where_the_batch_first_layout_forces_it(nproc: int) -> None:
+    """Copies per GPT block (forward + backward, B=2 rows, counted by lslm.metrics.allocations).
+
+    Without SP: the two f backwards (attention and MLP input gradients), whose incoming gradient
+    other branches still read, so the all-reduce works on a copy; g's forward sums in place.
+    With SP: one rank-major rearrangement per collective, since the activations are batch-first
+    (B, T, C) and each rank's piece is T/t rows of every sequence: 2 all-gathers and 2
+    reduce-scatters forward, their 4 transposes backward, and the 2 regathers of the saved
+    inputs (regather=True). Megatron's (T, B, C) layout, or B = 1, needs none of the 10.
+    Before the gradient-buffer change (issue 19) the same block made 4 and 16 copies.
+    """
+    copies = _suite(nproc)[0]["copies"]
+    act = B * T * 2 * C * 4  # one (B, T, 2C) fp32 activation
+    assert copies["tp copies"] == 2 and copies["tp copy bytes"] == 2 * act
+    assert copies["sp copies"] == 10
+    # forward: 2 gathers of the full activation + 2 reduce-scatters of it; backward: the same 4 again; the
+    # 2 regathers: full activations too
+    assert copies["sp copy bytes"] == 10 * act
 
 
 def test_vocab_padding() -> None:

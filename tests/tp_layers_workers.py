@@ -18,6 +18,7 @@ from lslm.runtime import init_distributed
 from lslm.runtime.context import ParallelContext
 from lslm.tensor_parallel.cross_entropy import gather_logits, vocab_parallel_cross_entropy
 from lslm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from lslm.tensor_parallel.mappings import all_gather_along, reduce_from_tensor_parallel_region, reduce_scatter_along
 from lslm.tensor_parallel.vocab import pad_vocab_size
 
 B, T, C, OUT = 2, 8, 12, 16  # T, OUT divide by 2 and 4; C=12 too
@@ -121,6 +122,29 @@ def _cross_entropy(pctx: ParallelContext) -> dict[str, float]:
             "gathered": _diff(gather_logits(local, pctx, vocab), logits_full)}
 
 
+def _mappings(pctx: ParallelContext) -> dict[str, float]:
+    """The collectives along any dimension against torch.cat / a sum of every rank's tensor; results contiguous;
+    Megatron's g sums in place (the returned tensor is its input's storage)."""
+    t, r = pctx.tp_size, pctx.tp_rank
+    out: dict[str, float] = {}
+    for dim in (0, 1, -1):
+        pieces = [_input(50 + k, 2 * t, 3 * t, 4 * t) for k in range(t)]  # every rank's tensor, rebuilt here
+        got = all_gather_along(pieces[r], pctx, dim, "test")[0]
+        out[f"gather dim {dim}"] = _diff(got, torch.cat(pieces, dim=dim))
+        out[f"gather dim {dim} not contiguous"] = float(not got.is_contiguous())
+        got = reduce_scatter_along(pieces[r], pctx, dim, "test")[0]
+        out[f"reduce-scatter dim {dim}"] = _diff(got, sum(pieces).chunk(t, dim=dim)[r])
+        out[f"reduce-scatter dim {dim} not contiguous"] = float(not got.is_contiguous())
+    x = _input(60 + r, B, T, C).requires_grad_()
+    partial = x * 2.0  # a fresh tensor nothing else reads, as a row-parallel matmul's output
+    summed = reduce_from_tensor_parallel_region(partial, pctx, "test")
+    out["g sum"] = _diff(summed, sum(_input(60 + k, B, T, C) * 2.0 for k in range(t)))
+    out["g copied"] = float(summed.data_ptr() != partial.data_ptr())
+    summed.sum().backward()
+    out["g grad"] = _diff(x.grad, torch.full_like(x, 2.0))  # identity backward
+    return out
+
+
 CASES: dict[str, Callable[[ParallelContext], dict[str, float]]] = {
     "column": _column,
     "column_gather": lambda p: _column(p, gather=True),
@@ -133,7 +157,36 @@ CASES: dict[str, Callable[[ParallelContext], dict[str, float]]] = {
     "embedding": _embedding,
     "embedding_sp": lambda p: _embedding(p, sp=True),
     "cross_entropy": _cross_entropy,
+    "mappings": _mappings,
 }
+
+
+def _block_copies(pctx: ParallelContext) -> dict[str, int]:
+    """Copies (lslm.metrics.allocations) of one GPT block's forward + backward at this tp, with and without SP.
+
+    Per block: two GPT models of 2 and 4 blocks, the difference halved (embedding, head and loss cancel).
+    """
+    from lslm.metrics.allocations import count_allocations
+    from lslm.models.gpt import GPT, GPTConfig
+    from lslm.tensor_parallel.apply import apply_tensor_parallel
+
+    out: dict[str, int] = {}
+    for sp in (False, True):
+        counts = {}
+        for layers in (2, 4):
+            torch.manual_seed(0)
+            model = apply_tensor_parallel(GPT(GPTConfig(vocab_size=64, block_size=T, n_layer=layers, n_head=4,
+                                                        n_embd=C * 2)), pctx, sequence_parallel=sp)
+            x = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(1))
+            for _ in range(2):  # count the second pass: first-call caches out of the way
+                with count_allocations() as c:
+                    loss = vocab_parallel_cross_entropy(model(x)[0], x, pctx, vocab_size=64)
+                    loss.backward()
+            counts[layers] = (c.copies, c.copy_bytes)
+        key = "sp" if sp else "tp"
+        out[f"{key} copies"] = (counts[4][0] - counts[2][0]) // 2
+        out[f"{key} copy bytes"] = (counts[4][1] - counts[2][1]) // 2
+    return out
 
 
 def suite(**_: Any) -> dict[str, Any]:
@@ -150,4 +203,5 @@ def suite(**_: Any) -> dict[str, Any]:
                     key = f"{r.op}|{r.label}"
                     counts[key] = counts.get(key, 0) + 1
             out["ledger"][name] = counts
+        out["copies"] = _block_copies(ctx)
     return out

@@ -75,29 +75,56 @@ def split_along(x: torch.Tensor, pctx: ParallelContext, dim: int) -> torch.Tenso
     return x.chunk(t, dim=dim)[pctx.tp_rank].contiguous()
 
 
+def _dim(x: torch.Tensor, dim: int) -> int:
+    return dim % x.dim()
+
+
 def all_gather_along(x: torch.Tensor, pctx: ParallelContext, dim: int, label: str,
                      async_op: bool = False) -> tuple[torch.Tensor, Any]:
     """Concatenate every rank's ``x`` along ``dim`` in rank order; returns ``(result, work or None)``.
 
-    ``all_gather_into_tensor`` concatenates along the first dimension, so ``dim`` is moved
-    to the front and back (the result is a view of the gathered buffer).
+    ``all_gather_into_tensor`` concatenates whole buffers, rank after rank: it gathers the
+    contiguous ``x`` as it is into a ``(t, *x.shape)`` buffer (no copy going in), and one
+    rearrangement puts the ranks' pieces side by side along ``dim`` (no copy at all when
+    ``dim`` is the leading one, or when every dimension before it has size 1). The result is
+    contiguous, so the matmul that reads it copies nothing either. Megatron keeps activations
+    sequence-first, ``(T, B, C)``, so its sequence gathers are always the copy-free case.
+    ``async_op=True`` is for ``dim`` 0 only (a rearrangement would have to wait for the data).
     """
-    front = x.movedim(dim, 0).contiguous()
-    out = torch.empty((pctx.tp_size * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
-    work = pctx.comm.all_gather_into_tensor(out, front, group=pctx.tp_group, async_op=async_op, label=label)
-    return out.movedim(0, dim), work
+    k = _dim(x, dim)
+    src = x.contiguous()  # a no-op for the activations that arrive here
+    buf = torch.empty((pctx.tp_size, *src.shape), dtype=x.dtype, device=x.device)
+    if async_op and k != 0 and any(n != 1 for n in src.shape[:k]):
+        raise ValueError(f"an asynchronous all-gather along dimension {k} would need a copy after the data arrives; "
+                         "wait for it (async_op=False) or gather along the leading dimension")
+    # Flat views: gloo checks the first dimensions (output = group size x input), not only the element counts.
+    work = pctx.comm.all_gather_into_tensor(buf.view(-1), src.view(-1), group=pctx.tp_group, async_op=async_op,
+                                            label=label)
+    shape = (*src.shape[:k], pctx.tp_size * src.shape[k], *src.shape[k + 1:])
+    # (t, ..., n_k, ...) -> (..., t, n_k, ...) -> merge t and n_k: a view when nothing of size > 1 precedes k.
+    return buf.movedim(0, k).reshape(shape), work
 
 
 def reduce_scatter_along(x: torch.Tensor, pctx: ParallelContext, dim: int, label: str,
                          async_op: bool = False) -> tuple[torch.Tensor, Any]:
-    """Sum ``x`` over the group and keep this rank's slice along ``dim``; returns ``(result, work or None)``."""
+    """Sum ``x`` over the group and keep this rank's slice along ``dim``; returns ``(result, work or None)``.
+
+    ``reduce_scatter_tensor`` hands rank ``r`` the ``r``-th contiguous block of its input, so
+    the input is laid out rank-major along ``dim`` first: one copy (none for the leading
+    dimension, or when every dimension before it has size 1); the output is this rank's
+    slice, already contiguous, written by the collective itself.
+    """
     t = pctx.tp_size
-    if x.shape[dim] % t:
-        raise ValueError(f"cannot reduce-scatter dimension {dim} of size {x.shape[dim]} over tp={t} ranks")
-    front = x.movedim(dim, 0).contiguous()
-    out = torch.empty((front.shape[0] // t, *front.shape[1:]), dtype=x.dtype, device=x.device)
-    work = pctx.comm.reduce_scatter_tensor(out, front, group=pctx.tp_group, async_op=async_op, label=label)
-    return out.movedim(0, dim), work
+    k = _dim(x, dim)
+    if x.shape[k] % t:
+        raise ValueError(f"cannot reduce-scatter dimension {k} of size {x.shape[k]} over tp={t} ranks")
+    piece = (*x.shape[:k], x.shape[k] // t, *x.shape[k + 1:])
+    # (..., t * n, ...) -> (..., t, n, ...) -> (t, ..., n, ...), contiguous: rank r's block is its slice.
+    ranked = x.reshape(*x.shape[:k], t, *piece[k:]).movedim(k, 0).contiguous()
+    out = torch.empty(piece, dtype=x.dtype, device=x.device)
+    work = pctx.comm.reduce_scatter_tensor(out.view(-1), ranked.view(-1), group=pctx.tp_group, async_op=async_op,
+                                           label=label)
+    return out, work
 
 
 # -- the autograd functions --------------------------------------------------------------------------------
@@ -115,7 +142,13 @@ class _CopyToRegion(Function):
 class _ReduceFromRegion(Function):
     @staticmethod
     def forward(fn: Any, x: torch.Tensor, pctx: ParallelContext, label: str) -> torch.Tensor:
-        return all_reduce(x, pctx, fwd_label(label))
+        if not x.is_contiguous():
+            return all_reduce(x, pctx, fwd_label(label))
+        # In place, as Megatron's _reduce: the partial sum is a fresh matmul output that nothing else reads, and
+        # mark_dirty tells autograd it changed (it would refuse the backward if something had saved it).
+        pctx.comm.all_reduce(x, group=pctx.tp_group, label=fwd_label(label))
+        fn.mark_dirty(x)
+        return x
 
     @staticmethod
     def backward(fn: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -170,7 +203,11 @@ def copy_to_tensor_parallel_region(x: torch.Tensor, pctx: ParallelContext, label
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, pctx: ParallelContext, label: str = "tp") -> torch.Tensor:
-    """Megatron's ``g``: all-reduce forward (sum the partial outputs); identity backward."""
+    """Megatron's ``g``: all-reduce forward (sum the partial outputs, in place); identity backward.
+
+    ``x`` (a contiguous partial result) is summed in place and returned: do not read it afterwards
+    expecting this rank's part.
+    """
     return x if _alone(pctx) else _ReduceFromRegion.apply(x, pctx, label)
 
 

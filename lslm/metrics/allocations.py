@@ -1,0 +1,88 @@
+"""Bytes a piece of code allocates, op by op, counted exactly on any device (the CPU included).
+
+``torch.cuda.memory_allocated`` exists only on GPUs. :func:`count_allocations` instead watches
+every aten op under a ``TorchDispatchMode`` and charges an op the bytes of each output whose
+storage is new: not a view of an input, not an in-place result. Copies show up by name
+(``aten.clone``, ``aten.copy_`` into a fresh ``empty``, ``aten._to_copy``), which is what the
+tensor-parallel notebook and tests use to count the copies a communication layout costs.
+Ops that run inside a collective's C++ (gloo, NCCL) are not aten ops and are not seen: the
+count is of what PyTorch code allocates around the communication.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["AllocationCount", "COPY_OPS", "count_allocations"]
+
+#: aten ops whose output is a copy of an input (their bytes are the "copies" of :class:`AllocationCount`).
+COPY_OPS = ("aten.clone", "aten._to_copy", "aten.contiguous", "aten._unsafe_view_copy")
+
+
+@dataclass
+class AllocationCount:
+    """New-storage bytes per op name (``by_op``) and their total; ``copies`` counts the :data:`COPY_OPS`."""
+
+    by_op: Counter = field(default_factory=Counter)
+    calls: Counter = field(default_factory=Counter)
+
+    @property
+    def total(self) -> int:
+        """Every new byte."""
+        return sum(self.by_op.values())
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of the copy ops."""
+        return sum(n for op, n in self.by_op.items() if op.startswith(COPY_OPS))
+
+    @property
+    def copies(self) -> int:
+        """How many copy ops ran."""
+        return sum(n for op, n in self.calls.items() if op.startswith(COPY_OPS))
+
+
+def _storages(tree: Any) -> set[int]:
+    leaves, _ = tree_flatten(tree)
+    return {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor) and t.numel() > 0}
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, count: AllocationCount) -> None:
+        super().__init__()
+        self.count = count
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        seen = _storages((args, kwargs))
+        name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
+        name = name if name.startswith("aten") else f"aten.{name}"
+        leaves, _ = tree_flatten(out)
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.numel() > 0:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in seen:
+                    seen.add(ptr)  # two outputs on one new storage count once
+                    self.count.by_op[name] += t.untyped_storage().nbytes()
+                    self.count.calls[name] += 1
+        return out
+
+
+@contextmanager
+def count_allocations() -> Iterator[AllocationCount]:
+    """``with count_allocations() as c:`` ... ``c.total``, ``c.copy_bytes``, ``c.by_op``: what the block allocated.
+
+    Forward and backward alike (autograd's backward ops dispatch through the mode too, when
+    ``backward()`` is called inside the block).
+    """
+    count = AllocationCount()
+    with _Counter(count):
+        yield count
