@@ -32,7 +32,7 @@ import torch
 from lslm.data_parallel.grad_sync import finish_reductions, reduce_buffers, split_by_holder
 from lslm.pipeline.actions import COMM_KINDS, COMPUTE_KINDS, Action
 from lslm.pipeline.memory import PipelineMemory
-from lslm.pipeline.p2p import action_of_record, post
+from lslm.pipeline.p2p import action_of_record, exchange
 from lslm.pipeline.stage import StageRuntime
 from lslm.pipeline.timeline import Event, Timeline
 from lslm.runtime.context import ParallelContext
@@ -147,25 +147,13 @@ class PipelineExecutor:
                 buf = torch.empty(st.hidden, device=self.ctx.device, dtype=st.dtype)
                 (st.recv_in if c.kind == "RECV_F" else st.recv_grad)[(c.stage, c.mb)] = buf
                 tensors.append(buf)
-        works = post(self.ctx, batch, tensors, self.stage_to_rank)
-        if self.deallocate_outputs:
-            for c in batch:
-                if c.kind == "SEND_F":
-                    self.stages[c.stage].deallocate_output(c.mb)
-        if any(c.kind.startswith("RECV") for c in batch):
-            for w in works:
-                w.wait()
-            pending = []
-            for w, keep in st.sends:
-                if w.is_completed():
-                    w.wait()  # returns at once; waited all the same, so every Work is waited on (NCCL's rule)
-                else:
-                    pending.append((w, keep))
-            st.sends = pending  # frees what was sent
-        elif len(works) == len(tensors):  # gloo: one work per op
-            st.sends += [(w, [keep]) for w, keep in zip(works, tensors)]
-        else:  # NCCL may return one work for the whole batch
-            st.sends += [(w, tensors) for w in works]
+        def posted() -> None:
+            if self.deallocate_outputs:
+                for c in batch:
+                    if c.kind == "SEND_F":
+                        self.stages[c.stage].deallocate_output(c.mb)
+
+        st.sends = exchange(self.ctx, batch, tensors, self.stage_to_rank, st.sends, posted)
 
     def _compute(self, a: Action, st: _Step) -> None:
         """One F / B / I / W, its input taken from the right place and its output put where the next user looks."""

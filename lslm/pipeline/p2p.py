@@ -20,7 +20,7 @@ gradients; the record's op (send/recv) and label give back the action
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +30,10 @@ from lslm.pipeline.actions import Action
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.records import CommRecord
 
-__all__ = ["action_of_record", "comm_label", "peer_stage", "post"]
+__all__ = ["InFlight", "action_of_record", "comm_label", "exchange", "peer_stage", "post", "reap_completed"]
+
+#: Sends still in flight: each work with the tensors it keeps alive until it is waited.
+InFlight = list[tuple[Any, list[torch.Tensor]]]
 
 _LABEL = re.compile(r"^pp ([FB]) s(\d+) mb(\d+)$")
 
@@ -72,3 +75,34 @@ def post(ctx: ParallelContext, actions: Sequence[Action], tensors: Sequence[torc
         labels.append(comm_label(action))
     return ctx.comm.batch_isend_irecv(ops, label=labels)
 
+
+def reap_completed(in_flight: InFlight) -> InFlight:
+    """Wait the works that already completed (no blocking; frees what they kept alive); return the others."""
+    left = []
+    for w, keep in in_flight:
+        if w.is_completed():
+            w.wait()  # returns at once; waited all the same, so every Work is waited on (NCCL's rule)
+        else:
+            left.append((w, keep))
+    return left
+
+
+def exchange(ctx: ParallelContext, batch: Sequence[Action], tensors: Sequence[torch.Tensor],
+             stage_to_rank: Sequence[int], in_flight: InFlight,
+             posted: Callable[[], None] | None = None) -> InFlight:
+    """One run of communication actions, the executors' one rule: post it as one batch (:func:`post`), call
+    ``posted()`` (outputs may be deallocated now: the sends hold aliases), wait for every work if the run
+    receives anything (the next compute needs the data), else keep its works in flight; return the sends
+    still in flight after reaping those that completed. Every work is waited on, at the end at the latest.
+    """
+    works = post(ctx, batch, tensors, stage_to_rank)
+    if posted is not None:
+        posted()
+    if any(c.kind.startswith("RECV") for c in batch):
+        for w in works:
+            w.wait()
+    elif len(works) == len(tensors):  # gloo: one work per op, keeping its own tensor alive
+        in_flight = in_flight + [(w, [keep]) for w, keep in zip(works, tensors)]
+    else:  # NCCL may return one work for the whole batch
+        in_flight = in_flight + [(w, list(tensors)) for w in works]
+    return reap_completed(in_flight)

@@ -69,7 +69,7 @@ from torch import nn
 
 from lslm.models.gpt import GPT
 from lslm.pipeline.actions import Action
-from lslm.pipeline.p2p import post
+from lslm.pipeline.p2p import InFlight, exchange
 from lslm.pipeline.partition import GPTStage, split_gpt
 from lslm.pipeline.schedules import PipelineSchedule, build_schedule
 from lslm.pipeline.stage import StageRuntime
@@ -275,7 +275,7 @@ def run_2bw(model: GPT, ctx: ParallelContext, batches: Sequence[tuple[torch.Tens
     mb_loss: dict[int, torch.Tensor] = {}
     recv: dict[tuple[str, int], torch.Tensor] = {}
     to_send: dict[Action, torch.Tensor] = {}
-    pending: list[tuple[Any, list[torch.Tensor]]] = []
+    pending: InFlight = []
     steps = iter(plan)
 
     def update(batch: int) -> None:
@@ -304,16 +304,13 @@ def run_2bw(model: GPT, ctx: ParallelContext, batches: Sequence[tuple[torch.Tens
                 else:
                     recv[(c.kind, c.mb)] = torch.empty(hidden, device=ctx.device, dtype=dtype)
                     tensors.append(recv[(c.kind, c.mb)])
-            works = post(ctx, run, tensors, sched.stage_to_rank)
-            for c in run:
-                if c.kind == "SEND_F":
-                    runtimes[version_of(c.mb, m) % 2].deallocate_output(c.mb)
-            if any(c.kind.startswith("RECV") for c in run):
-                for w in works:  # the next compute needs the received data
-                    w.wait()
-            else:  # send-only: waited once complete, at the end at the latest (the executor's rule)
-                pending += [(w, tensors) for w in works]
-            pending = _wait_completed(pending)
+            def posted(run: Sequence[Action] = run) -> None:
+                for c in run:
+                    if c.kind == "SEND_F":
+                        runtimes[version_of(c.mb, m) % 2].deallocate_output(c.mb)
+
+            # the executor's rule (lslm.pipeline.p2p.exchange): one batch, waited if it receives, sends reaped
+            pending = exchange(ctx, run, tensors, sched.stage_to_rank, pending, posted)
             i = j
             continue
         a, step = actions[i], next(steps)
@@ -348,17 +345,6 @@ def run_2bw(model: GPT, ctx: ParallelContext, batches: Sequence[tuple[torch.Tens
                 q.copy_(q_newest)
     result.losses = _batch_losses(ctx, mb_loss, len(batches), m)
     return result
-
-
-def _wait_completed(pending: list[tuple[Any, list[torch.Tensor]]]) -> list[tuple[Any, list[torch.Tensor]]]:
-    """Wait the sends that already completed (no blocking; frees what they kept alive); return the others."""
-    left = []
-    for w, keep in pending:
-        if w.is_completed():
-            w.wait()
-        else:
-            left.append((w, keep))
-    return left
 
 
 def _batch_losses(ctx: ParallelContext, mb_loss: dict[int, torch.Tensor], n: int, m: int) -> list[float]:
