@@ -40,7 +40,7 @@ VARIANTS = ("torch", "disabled", "enabled")
 
 def measure(calls: int = 2000, rounds: int = 15, async_op: bool = False) -> dict[str, float]:
     """Median microseconds per call of each variant (and overheads over torch); needs an initialised group."""
-    x = torch.zeros(1)
+    x = torch.zeros(1)  # lslm: cpu-ok (the bench runs in a CPU-only group: the fake backend or 1-rank gloo)
     off, on = Comm(), Comm()
     off.ledger.enabled = False
 
