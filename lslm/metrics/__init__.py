@@ -8,7 +8,9 @@ Measurement (CPU and CUDA alike; :mod:`.memory` is the entry point and re-export
 * :mod:`.activations` - :class:`ActivationMemory`, the bytes autograd saves for backward;
 * :mod:`.owners` / :mod:`.breakdown` - :func:`memory_by_owner`, bytes by owner (parameters, gradients, master
   weights, main grads, optimizer states, communication buffers, activations) x device, resident and logical;
-* :mod:`.storage` - the counting rule they share (one storage counted once).
+* :mod:`.storage` - the counting rule they share (one storage counted once);
+* :mod:`.allocations` - :func:`count_allocations`, the bytes each aten op allocates (copies by name), on any
+  device: what a communication layout costs in copies.
 
 Formulas (pure functions, no processes):
 
@@ -22,6 +24,7 @@ and ``lslm.demos.activation_check``.
 """
 
 from lslm.metrics.activation_theory import korthikanti_layer_bytes, layer_terms
+from lslm.metrics.allocations import AllocationCount, count_allocations
 from lslm.metrics.collective_costs import cost_coefficients, fit_alpha_beta, model_time
 from lslm.metrics.memory import (
     CATEGORIES,
@@ -45,6 +48,7 @@ from lslm.metrics.step_time import LinkCost, StepPrediction, predict_step, ring_
 __all__ = [
     "CATEGORIES",
     "ActivationMemory",
+    "AllocationCount",
     "LinkCost",
     "MemoryBreakdown",
     "MemoryOwner",
@@ -53,6 +57,7 @@ __all__ = [
     "ModelStateBytes",
     "StepPrediction",
     "cost_coefficients",
+    "count_allocations",
     "fit_alpha_beta",
     "format_bytes",
     "korthikanti_layer_bytes",
