@@ -12,6 +12,10 @@ mode        what it builds                                                   byt
 ``bf16``    bf16 model, fp32 masters + ``main_grad``, no scaler              2+4+4+8 = 18
 ==========  ===============================================================  ================
 
+With ``main_grad`` (the default, in every mode) the gradients live in gradient buffers
+(:mod:`lslm.data_parallel.grad_buffer`: those attached to the model beforehand, else one fp32
+buffer attached here); fp32's optimizer sees them as ``.grad`` during ``step()`` only.
+
 Variants by keyword: ``main_grad=False`` keeps half ``.grad`` (16, ZeRO's count; with
 ``keep_fp32_grads=True`` 20, the Playbook's); ``bf16`` with ``master_weights=False``
 steps the optimizer on the bf16 weights themselves, so its states are bf16 too
