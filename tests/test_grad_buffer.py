@@ -194,15 +194,15 @@ def _across_ranks(nproc: int) -> tuple[dict, ...]:
     return tuple(run_workers("tests.grad_buffer_workers:suite", nproc, timeout=300))
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [4])  # dp = 4: the issue's overflow case; one launch (they dominate the time)
 def test_gradient_buffers_across_ranks(nproc: int) -> None:
     """Every sync on the buffer equals the plain-.grad path; the old silent path raises; fp32 vs half reduction."""
     results = _across_ranks(nproc)
     for r in results:
         assert r["refused"] == {"naive": True, "fused": True, "torch": True, "mixed_stage": True}, r["refused"]
-        # the buffer path and the .grad path give the same averaged gradients: bit-identical at 2 ranks (a + b
-        # either way); at 4, gloo sums messages of other sizes in another order (measured 6e-8 on gradients of O(1))
-        tol = 0.0 if nproc == 2 else 1e-6
+        # the buffer path and the .grad path give the same averaged gradients, up to the order in which gloo sums
+        # 4 ranks' messages of other sizes (measured 6e-8 on gradients of O(1); bit-identical at 2 ranks)
+        tol = 1e-6
         assert r["ddp_max_diff"] <= tol and r["dp_avg_max_diff"] <= tol
         assert r["ddp_bytes"] == r["buffer_bytes"]  # one all-reduce per bucket, of the buffer itself
         # a large-but-finite gradient on every rank: its sum over dp ranks overflows fp16, not fp32

@@ -54,7 +54,6 @@ TORCHRUN_DDP = "torchrun --nproc-per-node 2 -m lslm.recipes.ddp --variant bucket
 TP = "python -m lslm.recipes.tp --nproc 2 --tp 2 --sequence-parallel"
 PP = "python -m lslm.recipes.pipeline --nproc 2 --pp 2 --schedule 1f1b --microbatches 4"
 PRECISION = "python -m lslm.recipes.ddp --nproc 2 --precision fp16"
-GRAD_DTYPE = "python -m lslm.recipes.ddp --nproc 2 --precision bf16 --grad-reduce-dtype param"
 MULTI_NODE = (".venv/bin/python -m torch.distributed.run --nnodes=N --nproc-per-node=GPUS_PER_NODE "
               "--rdzv-backend=c10d --rdzv-endpoint=HOST_OF_NODE_0:29500 --rdzv-id=myjob "
               "-m lslm.launcher.worker --target lslm.demos.smoke:worker --args-file args.json --result-dir results/")
@@ -70,7 +69,6 @@ SMALLEST: dict[str, tuple[str | dict[str, str], str]] = {
     TP: ("--steps 2", "30 tensor-parallel steps: 2 show the launch, the layers' traffic and the result"),
     PP: ("--steps 2", "30 pipeline-parallel steps: 2 show the launch, the schedule's traffic and the result"),
     PRECISION: ("--steps 2", "30 fp16 DDP steps: 2 show the half model, the loss scale and the result"),
-    GRAD_DTYPE: ("--steps 2", "30 bf16 DDP steps: 2 show the bf16 gradient buffer reduced and the result"),
     "lslm bench collectives": ("--nprocs 2 --sizes-kib 4 --repeats 1",
                                "full sweep (4 KiB-64 MiB, 2 and 4 processes) takes minutes"),
     "lslm bench launch": ("--nprocs 1 --repeats 1", "5 repeats at 2 and 4 processes take a minute"),

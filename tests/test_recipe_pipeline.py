@@ -99,12 +99,27 @@ def test_pp2_schedules_reproduce_the_serial_run(baseline: list[float]) -> None:
 # The dp run first: the job's process group has the first run's grid, and the harness averages the reported
 # loss over that grid's dp group (the later pp=4 run has dp=1; its dp pairs then hold the same loss).
 RUNS4 = ({"pp": 2, "schedule": "gpipe", "microbatches": 2}, {"pp": 4, "schedule": "interleaved", "microbatches": 4})
+#: dp=2 x pp=2 ZB-H1 in half precision with the API defaults: gradients in fp32 buffers, each stage's averaged in
+#: place as soon as its last backward (I or W) is done. Same launch (a launch costs more than these runs).
+HALF4 = tuple({"pp": 2, "schedule": "zb-h1", "microbatches": 2, "precision": m} for m in ("fp16", "bf16"))
+U = {"fp16": 2.0**-11, "bf16": 2.0**-8}  # unit roundoff; tests/test_recipe_precision.py's tolerance: 0.25 u
 
 
 def test_pp4_interleaved_and_pp2_x_dp2_reproduce_the_serial_run(baseline: list[float]) -> None:
-    res = R.run(4, runs=list(RUNS4), output="none", timeout=300, **SMALL)
+    res = R.run(4, runs=list(RUNS4 + HALF4), output="none", timeout=300, **SMALL)
     for i, run in enumerate(RUNS4):
         _check([res[rank][i] for rank in range(4)], baseline, run)
+    for i, run in enumerate(HALF4, start=len(RUNS4)):
+        mode = run["precision"]
+        serial = train(TrainConfig(**SMALL, precision=mode))
+        records = [res[rank][i] for rank in range(4)]
+        worst = max(abs(a - b) / b for a, b in zip(records[0]["losses"], serial["losses"], strict=True)) / U[mode]
+        print(f"dp=2 x pp=2 zb-h1 {mode}: {worst:.4f} u")
+        assert worst <= 0.25, (mode, worst)
+        for r in records:
+            assert r["losses"] == records[0]["losses"] and r["dp_size"] == 2
+            assert r["stepped"] == serial["stepped"] and r["loss_scale"] == serial["loss_scale"]
+            assert r["dp_comm_bytes"] == [4 * r["num_parameters"]] * STEPS  # the fp32 buffers, in place
     # pp=2 x dp=2: ranks 0, 1 hold stage 0 of replicas 0 and 1; the pipeline ranks of a replica read the same rows.
     by_rank = {r[0]["rank"]: r[0]["local_losses"] for r in res}
     assert by_rank[0] == by_rank[2] and by_rank[1] == by_rank[3] and by_rank[0] != by_rank[1]
