@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lslm.data_parallel.ddp.buckets import plan_buckets
+from lslm.data_parallel.buckets import plan_buckets
 from lslm.metrics import (
     CATEGORIES,
     ActivationMemory,

@@ -8,11 +8,10 @@ median over rounds of the time per call and the overhead over ``torch``. Synchro
 ``async_op=True`` (then the work is waited) are measured separately: an asynchronous call
 also gets a work wrapper and a completion callback when the ledger is on.
 
-Two worlds: ``--backend fake`` (the default: torch's fake process group, 2 ranks, whose
-collectives return at once, so what is timed is the Python around the call and nothing else;
-it lives in torch's internal testing package) and ``--backend gloo`` (a real one-rank gloo
-group, whose own ~45 us per call, handed to gloo's thread and back, is noisier than the
-overhead being measured).
+The world is torch's fake process group (2 ranks) whose collectives return at once, so what
+is timed is the Python around the call and nothing else (it lives in torch's internal testing
+package, imported here only). A real gloo group adds its own ~45 us per call, handed to
+gloo's thread and back, which is noisier than the overhead being measured.
 
     python -m lslm.bench.ledger                   # writes bench/results/ledger_overhead.{txt,json}
 """
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -31,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from lslm.runtime.ledger import Comm
-from lslm.runtime.startup import free_port
 
 __all__ = ["main", "measure"]
 
@@ -40,7 +37,7 @@ VARIANTS = ("torch", "disabled", "enabled")
 
 def measure(calls: int = 2000, rounds: int = 15, async_op: bool = False) -> dict[str, float]:
     """Median microseconds per call of each variant (and overheads over torch); needs an initialised group."""
-    x = torch.zeros(1)  # lslm: cpu-ok (the bench runs in a CPU-only group: the fake backend or 1-rank gloo)
+    x = torch.zeros(1)  # lslm: cpu-ok (the bench runs in torch's fake group: nothing leaves the host)
     off, on = Comm(), Comm()
     off.ledger.enabled = False
 
@@ -71,33 +68,25 @@ def measure(calls: int = 2000, rounds: int = 15, async_op: bool = False) -> dict
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Command line: measure both call styles in a one-rank gloo group and write the table and JSON."""
+    """Command line: measure both call styles in torch's fake group and write the table and JSON."""
     parser = argparse.ArgumentParser(prog="python -m lslm.bench.ledger", description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000, help="calls per variant per round (default 2000)")
     parser.add_argument("--rounds", type=int, default=15, help="rounds; the table shows medians (default 15)")
-    parser.add_argument("--backend", choices=("fake", "gloo"), default="fake",
-                        help="fake: no communication at all, only the Python around it (default); gloo: 1 rank")
     parser.add_argument("--out", default="bench/results", help="folder for ledger_overhead.txt and .json")
     args = parser.parse_args(argv)
     if args.calls < 1 or args.rounds < 1:
         parser.error("--calls and --rounds must be >= 1")
     torch.set_num_threads(1)
-    if args.backend == "fake":
-        from torch.testing._internal.distributed.fake_pg import FakeStore  # internal API: only here
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # internal API: only here
 
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    else:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         rows = {style: measure(args.calls, args.rounds, async_op=style == "async")
                 for style in ("sync", "async")}
     finally:
         dist.destroy_process_group()
-    world = "torch's fake 2-rank group (no communication)" if args.backend == "fake" else "a 1-rank gloo group"
-    lines = [f"per-call cost of an all-reduce of 1 float in {world}, median of {args.rounds} rounds "
-             f"x {args.calls} calls (torch {torch.__version__})",
+    lines = [f"per-call cost of an all-reduce of 1 float in torch's fake 2-rank group (no communication), "
+             f"median of {args.rounds} rounds x {args.calls} calls (torch {torch.__version__})",
              f"{'call':<6} {'torch us':>9} {'disabled us':>12} {'enabled us':>11} {'disabled-torch':>15} "
              f"{'enabled-torch':>14}"]
     for style, r in rows.items():
@@ -109,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "ledger_overhead.txt").write_text(text + "\n")
     (out / "ledger_overhead.json").write_text(json.dumps({"calls": args.calls, "rounds": args.rounds,
-                                                          "backend": args.backend, "rows": rows}, indent=1) + "\n")
+                                                          "backend": "fake", "rows": rows}, indent=1) + "\n")
     return rows
 
 

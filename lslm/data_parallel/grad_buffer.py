@@ -44,6 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lslm.data_parallel.buckets import plan_buckets
+
 __all__ = ["BUFFER_ATTRS", "Bucket", "GradBuffer", "buffers_of", "has_main_grad", "main_grad_or_grad"]
 
 #: Attributes a buffer sets on the parameters it holds (never copied onto master weights).
@@ -114,25 +116,20 @@ class GradBuffer:
                 raise ValueError(f"{self.names[i]}: slot {slot} is outside 0..{count - 1}")
         self.offsets: list[int] = [0] * len(params)  # start of each parameter's extent in data
         self.buckets: list[Bucket] = []
-        cap = None if bucket_cap_bytes is None else max(1, bucket_cap_bytes // dtype.itemsize)  # in elements
+        sizes = [self._extent(i) * dtype.itemsize for i in range(len(params))]
+        # DDP's planning rule (reverse order, a bucket closes before the cap would be passed); no cap: one bucket.
+        plan = plan_buckets(sizes, bucket_cap_bytes if bucket_cap_bytes is not None else max(1, sum(sizes)))
         position = 0
-        current: Bucket | None = None
-        for i in reversed(range(len(params))):
-            extent = self._extent(i)
-            if current is not None and cap is not None and (position - current.start) + extent > cap:
-                position = self._close(current, position)
-                current = None
-            if current is None:
-                current = Bucket(len(self.buckets), position, position)
-                self.buckets.append(current)
-            self.offsets[i] = position
-            current.params.append(i)
-            position += extent
-        assert current is not None
-        position = self._close(current, position)
+        for idx in plan:
+            bucket = Bucket(len(self.buckets), position, position)
+            for i in idx:
+                self.offsets[i] = position
+                bucket.params.append(i)
+                position += self._extent(i)
+            position = self._close(bucket, position)
+            self.buckets.append(bucket)
         self.numel = position
         self.data = torch.zeros(position, dtype=dtype, device=self.device)
-        self.bucket_of = {i: b.index for b in self.buckets for i in b.params}
         self._hooks: list[Any] = []
         self._listeners: list[Callable[[int], None]] = []
         self._index = {id(p): i for i, p in enumerate(params)}
@@ -148,10 +145,6 @@ class GradBuffer:
         return bucket.end
 
     # -- views -------------------------------------------------------------------------------
-    def extent(self, i: int) -> torch.Tensor:
-        """Parameter ``i``'s whole extent in ``data`` (all its slots), flat."""
-        return self.data[self.offsets[i]:self.offsets[i] + self._extent(i)]
-
     def view(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s gradient: its slot of ``data``, shaped like the parameter (what ``main_grad`` is)."""
         p = self.params[i]
@@ -162,10 +155,6 @@ class GradBuffer:
         """Bucket ``b``'s elements of ``data`` (padding included): what one collective sends."""
         bucket = self.buckets[b]
         return self.data[bucket.start:bucket.end]
-
-    def index(self, param: torch.Tensor) -> int:
-        """The index of ``param`` in this buffer (``KeyError`` if it is not here)."""
-        return self._index[id(param)]
 
     @property
     def nbytes(self) -> int:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed import ReduceOp
 
+from lslm.data_parallel.buckets import cap_bytes
 from lslm.data_parallel.grad_buffer import GradBuffer, buffers_of, has_main_grad
 from lslm.runtime.context import ParallelContext
 
@@ -81,9 +82,7 @@ def attach_grad_buffers(model: nn.Module | Iterable[torch.Tensor], ctx: Parallel
     named = _unique_params(model)
     if not named:
         raise ValueError("no parameter requires grad: nothing to hold gradients for")
-    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be > 0 (or None for one bucket), got {bucket_cap_mb!r}")
-    cap = None if bucket_cap_mb is None else max(1, int(bucket_cap_mb * 2**20))
+    cap = None if bucket_cap_mb is None else cap_bytes(bucket_cap_mb)
     groups: dict[tuple[str, torch.device], list[tuple[str, nn.Parameter]]] = {}
     for n, p in named:
         groups.setdefault((grad_kind(p), p.device), []).append((n, p))

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lslm.data_parallel.ddp.buckets import plan_buckets
+from lslm.data_parallel.buckets import plan_buckets
 from lslm.exercises.core import Verdict, call_learner, check_each, collect_and_judge, report, run_check
 from lslm.exercises.registry import Exercise, register
 

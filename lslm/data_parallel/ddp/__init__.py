@@ -15,9 +15,9 @@ in :mod:`lslm.data_parallel.ddp.base`; bucket planning in ``buckets``; bitwise
 replica checks in ``checks``.
 """
 
+from lslm.data_parallel.buckets import cap_bytes, plan_buckets
 from lslm.data_parallel.ddp.base import BROADCAST_LABEL, GRAD_LABEL, UNUSED_LABEL, BucketPlanDDP, DDPBase
 from lslm.data_parallel.ddp.bucketed import BucketedDDP
-from lslm.data_parallel.ddp.buckets import cap_bytes, plan_buckets
 from lslm.data_parallel.ddp.checks import CHECK_LABEL, assert_same_across_ranks, first_mismatch, tensor_digest
 from lslm.data_parallel.ddp.factory import VARIANTS, make_ddp
 from lslm.data_parallel.ddp.fused import FusedDDP

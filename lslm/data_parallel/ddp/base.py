@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ReduceOp
 
-from lslm.data_parallel.ddp.buckets import cap_bytes, plan_buckets
+from lslm.data_parallel.buckets import cap_bytes, plan_buckets
 from lslm.data_parallel.ddp.checks import first_mismatch
 from lslm.data_parallel.grad_buffer import has_main_grad
 from lslm.metrics.owners import MemoryRegistry
@@ -273,7 +273,7 @@ class DDPBase(nn.Module):
 class BucketPlanDDP(DDPBase):
     """A :class:`DDPBase` whose gradients travel in buckets planned once, at construction.
 
-    The plan (:func:`~lslm.data_parallel.ddp.buckets.plan_buckets`: reverse
+    The plan (:func:`~lslm.data_parallel.buckets.plan_buckets`: reverse
     ``parameters()`` order, at most ``bucket_cap_mb`` MiB each, one dtype and device
     per bucket) is a list of parameter-index lists, ``self._plan``; the cap is
     validated before the constructor communicates, so a bad value fails on every rank

@@ -108,6 +108,7 @@ class BucketedDDP(BucketPlanDDP):
             for bucket in buf.buckets:
                 self._plan.append([index[id(buf.params[j])] for j in bucket.params])
                 self._bucket_buffers.append(buf.bucket_view(bucket.index))  # the gradients themselves, not a copy
+        self._bucket_of = {i: b for b, idx in enumerate(self._plan) for i in idx}  # param index -> bucket
         self.grad_bytes = sum(buf.nbytes for buf in self.grad_buffers)
 
     def _listener(self, buf: GradBuffer, index: dict[int, int]) -> Any:
@@ -124,7 +125,6 @@ class BucketedDDP(BucketPlanDDP):
 
     # -- state of one synchronising backward -------------------------------------------
     def _reset_state(self) -> None:
-        self._bucket_of = {i: b for b, idx in enumerate(self._plan) for i in idx}
         self._ready = [False] * len(self.params)
         self._missing = [len(idx) for idx in self._plan]
         self._works: list[Any] = [None] * len(self._plan)

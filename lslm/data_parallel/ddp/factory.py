@@ -6,9 +6,9 @@ from typing import Any
 
 from torch import nn
 
+from lslm.data_parallel.buckets import cap_bytes
 from lslm.data_parallel.ddp.base import DDPBase
 from lslm.data_parallel.ddp.bucketed import BucketedDDP
-from lslm.data_parallel.ddp.buckets import cap_bytes
 from lslm.data_parallel.ddp.fused import FusedDDP
 from lslm.data_parallel.ddp.naive import NaiveDDP
 from lslm.data_parallel.ddp.torch_ddp import TorchDDP

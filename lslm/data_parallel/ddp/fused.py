@@ -16,7 +16,7 @@ class FusedDDP(BucketPlanDDP):
 
     **Algorithm.** At construction the gradients are grouped into buckets of at most
     ``bucket_cap_mb`` MiB (reverse ``parameters()`` order, as in
-    :func:`~lslm.data_parallel.ddp.buckets.plan_buckets`; a gradient larger than the
+    :func:`~lslm.data_parallel.buckets.plan_buckets`; a gradient larger than the
     cap travels alone). ``finish_grad_sync`` then, bucket by bucket, copies the
     bucket's gradients into one contiguous *fusion buffer*, all-reduces it (SUM),
     divides by ``n`` and copies the results back into ``.grad``. One buffer per dtype,

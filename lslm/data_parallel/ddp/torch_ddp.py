@@ -12,8 +12,8 @@ from torch import nn
 from torch.distributed import ReduceOp
 from torch.nn.parallel import DistributedDataParallel
 
+from lslm.data_parallel.buckets import cap_bytes
 from lslm.data_parallel.ddp.base import GRAD_LABEL, DDPBase
-from lslm.data_parallel.ddp.buckets import cap_bytes
 
 
 class TorchDDP(DDPBase):

@@ -1,8 +1,9 @@
 """Bucket planning: which gradients travel together in one all-reduce.
 
 A pure function (no processes, no tensors) so it can be tested and plotted on its
-own. Both :class:`~lslm.data_parallel.ddp.fused.FusedDDP` and
-:class:`~lslm.data_parallel.ddp.bucketed.BucketedDDP` use it.
+own. :class:`~lslm.data_parallel.ddp.fused.FusedDDP`,
+:class:`~lslm.data_parallel.ddp.bucketed.BucketedDDP` and the gradient buffers
+(:class:`~lslm.data_parallel.grad_buffer.GradBuffer`) all use it.
 
 Order: **reverse** ``module.parameters()`` order. Backward visits layers roughly in
 reverse of forward, so the last layer's gradients are ready first; putting them in
