@@ -77,6 +77,8 @@ SMALLEST: dict[str, tuple[str | dict[str, str], str]] = {
     "lslm bench pipeline": ("--quick --nprocs 2 --microbatches 4", "the full bench takes minutes"),
     "python -m lslm.bench.ledger": ("--calls 20 --rounds 1", "15 rounds of 2,000 calls take seconds; 1 of 20 show "
                                                               "the table and the files written"),
+    "python -m lslm.bench.init_memory": ("--quick --sizes 2", "an 8.4 M-parameter GPT at 1, 2 and 4 ranks takes a "
+                                                              "minute; a tiny one at 2 shows the table and files"),
     MULTI_NODE: ({"N": "2", "GPUS_PER_NODE": "1", "HOST_OF_NODE_0:29500": "127.0.0.1:{port}"},
                  "two 'nodes' on this machine: the line runs twice at once, one process each, "
                  "a free port on localhost as node 0's endpoint"),

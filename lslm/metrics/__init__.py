@@ -10,7 +10,8 @@ Measurement (CPU and CUDA alike; :mod:`.memory` is the entry point and re-export
   weights, main grads, optimizer states, communication buffers, activations) x device, resident and logical;
 * :mod:`.storage` - the counting rule they share (one storage counted once);
 * :mod:`.allocations` - :func:`count_allocations`, the bytes each aten op allocates (copies by name), on any
-  device: what a communication layout costs in copies.
+  device: what a communication layout costs in copies; :func:`track_live_bytes`, the exact peak of the bytes
+  a block of code holds at once (what building a model costs a rank at start).
 
 Formulas (pure functions, no processes):
 
@@ -24,7 +25,7 @@ and ``lslm.demos.activation_check``.
 """
 
 from lslm.metrics.activation_theory import korthikanti_layer_bytes, layer_terms
-from lslm.metrics.allocations import AllocationCount, count_allocations
+from lslm.metrics.allocations import AllocationCount, LiveBytes, count_allocations, track_live_bytes
 from lslm.metrics.collective_costs import cost_coefficients, fit_alpha_beta, model_time
 from lslm.metrics.memory import (
     CATEGORIES,
@@ -50,6 +51,7 @@ __all__ = [
     "ActivationMemory",
     "AllocationCount",
     "LinkCost",
+    "LiveBytes",
     "MemoryBreakdown",
     "MemoryOwner",
     "MemoryRegistry",
@@ -72,4 +74,5 @@ __all__ = [
     "reset_peak_memory",
     "ring_all_reduce_s",
     "theory_model_state_bytes",
+    "track_live_bytes",
 ]

@@ -11,6 +11,7 @@ count is of what PyTorch code allocates around the communication.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["AllocationCount", "COPY_OPS", "count_allocations"]
+__all__ = ["AllocationCount", "COPY_OPS", "LiveBytes", "count_allocations", "track_live_bytes"]
 
 #: aten ops whose output is a copy of an input (their bytes are the "copies" of :class:`AllocationCount`).
 COPY_OPS = ("aten.clone", "aten._to_copy", "aten.contiguous", "aten._unsafe_view_copy")
@@ -86,3 +87,64 @@ def count_allocations() -> Iterator[AllocationCount]:
     count = AllocationCount()
     with _Counter(count):
         yield count
+
+
+@dataclass
+class LiveBytes:
+    """Bytes of the storages allocated inside :func:`track_live_bytes` and still alive (``current``), and the
+    most that were alive at once (``peak``), per device type (``"cpu"``, ``"cuda"``); meta tensors own no bytes."""
+
+    current: Counter = field(default_factory=Counter)
+    peak: Counter = field(default_factory=Counter)
+
+    def _grow(self, device: str, nbytes: int) -> None:
+        self.current[device] += nbytes
+        self.peak[device] = max(self.peak[device], self.current[device])
+
+    def _shrink(self, device: str, nbytes: int) -> None:
+        self.current[device] -= nbytes
+
+
+class _LiveTracker(TorchDispatchMode):
+    def __init__(self, live: LiveBytes) -> None:
+        super().__init__()
+        self.live = live
+        self.alive: set[tuple[str, int]] = set()
+
+    def _freed(self, key: tuple[str, int], nbytes: int) -> None:
+        self.alive.discard(key)
+        self.live._shrink(key[0], nbytes)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        seen = _storages((args, kwargs))
+        leaves, _ = tree_flatten(out)
+        for t in leaves:
+            if not isinstance(t, torch.Tensor) or t.is_meta or t.numel() == 0:
+                continue
+            storage = t.untyped_storage()
+            key = (t.device.type, storage.data_ptr())
+            if key[1] in seen or key in self.alive:
+                continue
+            nbytes = storage.nbytes()
+            self.alive.add(key)
+            self.live._grow(key[0], nbytes)
+            # Storages keep their Python object while any tensor uses them: the finalizer runs at the free.
+            weakref.finalize(storage, self._freed, key, nbytes)
+        return out
+
+
+@contextmanager
+def track_live_bytes() -> Iterator[LiveBytes]:
+    """``with track_live_bytes() as live:`` ... ``live.peak["cpu"]``: the most bytes the block's own allocations
+    held at once, exact, on any device (the CPU included, where ``torch.cuda.max_memory_allocated`` has no
+    counterpart).
+
+    Each new storage an aten op creates inside the block is counted from its allocation to its
+    free (a finalizer on the storage); storages that existed before the block are not counted,
+    nor are buffers allocated inside C++ collectives. Used to measure what building a model costs
+    a rank at start (:mod:`lslm.models.deferred_init`).
+    """
+    live = LiveBytes()
+    with _LiveTracker(live):
+        yield live

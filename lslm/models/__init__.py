@@ -1,4 +1,6 @@
-"""Models: a small readable GPT (:mod:`lslm.models.gpt`) and Hugging Face builders (:mod:`lslm.models.hf`)."""
+"""Models: a small readable GPT (:mod:`lslm.models.gpt`), Hugging Face builders (:mod:`lslm.models.hf`), and
+:mod:`lslm.models.deferred_init`: build on the meta device, then materialise only a rank's part with the serial
+build's exact weights."""
 
 from typing import TYPE_CHECKING, Any
 

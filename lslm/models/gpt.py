@@ -10,7 +10,9 @@ Shapes: ``B`` batch, ``T`` sequence length, ``C = n_embd``, ``V = vocab_size``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -161,21 +163,31 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.wte.weight
-        self.apply(self._init_weights)
-        residual_std = 0.02 / math.sqrt(2 * config.n_layer)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=residual_std)
+        for param, init in self.init_steps():
+            init(param)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        # LayerNorm keeps PyTorch's default: weight 1, bias 0.
+    def init_steps(self) -> list[tuple[nn.Parameter, Callable[[torch.Tensor], Any]]]:
+        """GPT-2's initialisation as ``(parameter, in-place init)`` steps, run in this order after construction.
+
+        Every step overwrites its whole tensor (``normal_``, ``zeros_``), so only a parameter's last
+        step decides its value; the earlier ones only advance the generator. That is what lets
+        :mod:`lslm.models.deferred_init` replay the same draws for a model built on the meta device
+        and keep only the parameters (or shards) a rank holds.
+        """
+        steps: list[tuple[nn.Parameter, Callable[[torch.Tensor], Any]]] = []
+        normal = partial(nn.init.normal_, mean=0.0, std=0.02)
+        # Module.apply's order: children before their parent, each child's subtree in registration order.
+        for module in _post_order(self):
+            if isinstance(module, nn.Linear):
+                steps.append((module.weight, normal))
+                if module.bias is not None:
+                    steps.append((module.bias, nn.init.zeros_))
+            elif isinstance(module, nn.Embedding):
+                steps.append((module.weight, normal))
+            # LayerNorm keeps PyTorch's default: weight 1, bias 0.
+        residual = partial(nn.init.normal_, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+        steps += [(p, residual) for name, p in self.named_parameters() if name.endswith("c_proj.weight")]
+        return steps
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
@@ -219,3 +231,9 @@ class GPT(nn.Module):
             total -= self.wpe.weight.numel()
             total -= self.wte.weight.numel()
         return total
+
+
+def _post_order(module: nn.Module) -> Iterator[nn.Module]:
+    for child in module.children():
+        yield from _post_order(child)
+    yield module

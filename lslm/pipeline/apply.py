@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lslm.models.deferred_init import is_meta, materialize_
 from lslm.models.gpt import GPT
 from lslm.pipeline.executor import PipelineExecutor, gather_timeline
 from lslm.pipeline.memory import PipelineMemory
@@ -169,7 +170,8 @@ def _partition(model: GPT, ctx: ParallelContext, method: str, num_stages: int) -
     return partition_units(costs, num_stages)
 
 
-def apply_pipeline(model: GPT, ctx: ParallelContext, plan: PipelinePlan, *, schedule: Any = None) -> PipelineModel:
+def apply_pipeline(model: GPT, ctx: ParallelContext, plan: PipelinePlan, *, schedule: Any = None,
+                   init_seed: int | None = None) -> PipelineModel:
     """Split ``model`` into the stages of ``plan``'s schedule over ``ctx``'s pipeline ranks; keep this rank's.
 
     ``schedule`` (optional) replaces ``build_schedule(plan.schedule, pp, m, v)``: any object with
@@ -177,7 +179,21 @@ def apply_pipeline(model: GPT, ctx: ParallelContext, plan: PipelinePlan, *, sche
     hand-written list to try). This rank's stages move to ``ctx.device``. Raises ``ValueError`` for
     plans :func:`check_plan` rejects and for tied embedding/head weights across ranks (their gradient
     would need a sum between the first and last stage, which is not implemented).
+
+    A GPT built on the meta device needs ``init_seed`` (the seed the serial run builds it from):
+    only this rank's stages are materialised, on ``ctx.device``, with exactly the serial weights
+    (:func:`lslm.models.deferred_init.materialize_`); the other stages never take memory here.
+    The ``"time"`` partition measures forwards, so it needs a model with weights.
     """
+    meta = is_meta(model)
+    if meta and init_seed is None:
+        raise ValueError("the model is on the meta device (shapes only): pass init_seed=<the seed the serial run "
+                         "builds it from> so that this rank materialises its stages with those weights")
+    if not meta and init_seed is not None:
+        raise ValueError("init_seed is for a model built on the meta device; this model already holds weights")
+    if meta and plan.partition == "time":
+        raise ValueError("partition='time' times each layer's forward, which a model on the meta device cannot "
+                         "run: build the model with weights, or partition by 'layers' or 'params'")
     if schedule is None:
         from lslm.pipeline.schedules import build_schedule
 
@@ -195,5 +211,8 @@ def apply_pipeline(model: GPT, ctx: ParallelContext, plan: PipelinePlan, *, sche
         raise ValueError("tied embedding/head weights on different pipeline ranks are not supported: build the "
                          "GPT with tie_weights=False")
     stages = split_gpt(model, num_stages, boundaries=_partition(model, ctx, plan.partition, num_stages))
+    if meta:
+        held = {id(m) for s, stage in enumerate(stages) if stage_to_rank[s] == ctx.pp_rank for m in stage.modules()}
+        materialize_(model, ctx.device, seed=init_seed, keep=lambda name: id(model.get_submodule(name)) in held)
     mine = {s: stage.to(ctx.device) for s, stage in enumerate(stages) if stage_to_rank[s] == ctx.pp_rank}
     return PipelineModel(model, ctx, plan, schedule, mine)

@@ -1,7 +1,9 @@
 """Pipeline-parallel training (GPipe, 1F1B, interleaved 1F1B, ZB-H1, DualPipeV), optionally with data parallelism.
 
-The GPT of :mod:`lslm.recipes.train`, built from the same seed on every rank and cut by
-:func:`~lslm.pipeline.apply.apply_pipeline` into ``pp x v`` stages (``v`` per rank); the
+The GPT of :mod:`lslm.recipes.train`, cut by :func:`~lslm.pipeline.apply.apply_pipeline`
+into ``pp x v`` stages (``v`` per rank): built on the meta device, each rank materialises
+only its stages with the serial run's weights (except with ``--partition time``, which runs
+the whole model's forwards to measure them); the
 remaining ``dp = world / pp`` pipelines are data-parallel replicas. The harness
 (:mod:`lslm.harness`) runs it::
 
@@ -120,7 +122,10 @@ def build(cfg: PipelineConfig, ctx: ParallelContext) -> Built:
     """The pipeline technique on this rank: its stages, AdamW on their parameters, this replica's batches, the step."""
     dp = check_config(cfg, ctx.world_size)
     pctx = ctx.with_grid(pp=cfg.pp, dp=cfg.dp)
-    pipe = apply_pipeline(build_model(cfg), pctx, plan_of(cfg))
+    # On the meta device, then only this rank's stages are materialised with the serial run's weights ("time"
+    # partitioning runs forwards to measure them, so it needs the whole model built).
+    meta = cfg.partition != "time"
+    pipe = apply_pipeline(build_model(cfg, meta=meta), pctx, plan_of(cfg), init_seed=cfg.seed if meta else None)
     # This rank's stages as one module: what the optimizer, the clip and the memory report see.
     local = nn.ModuleList(pipe.stages[s] for s in sorted(pipe.stages))
     local.train()

@@ -1,7 +1,9 @@
 """Tensor-parallel training (Megatron-LM), optionally with sequence parallelism and data parallelism on top.
 
-The GPT of :mod:`lslm.recipes.train`, built from the same seed on every rank and then
-split by :func:`~lslm.tensor_parallel.apply.apply_tensor_parallel` over ``tp`` ranks;
+The GPT of :mod:`lslm.recipes.train`, split by
+:func:`~lslm.tensor_parallel.apply.apply_tensor_parallel` over ``tp`` ranks: built on the
+meta device, each rank materialises only its shards of the serial run's weights (peak
+memory at start: the shards plus about one layer; :mod:`lslm.models.deferred_init`);
 the remaining ``dp = world / tp`` groups of ranks are data-parallel replicas. The
 harness (:mod:`lslm.harness`) runs it::
 
@@ -100,8 +102,10 @@ def build(cfg: TPConfig, ctx: ParallelContext) -> Built:
     """The tensor-parallel technique on this rank: the split model, AdamW, this replica's batches, the timed step."""
     dp = check_config(cfg, ctx.world_size)
     tctx = ctx.with_grid(tp=cfg.tp, dp=cfg.dp)
-    model = apply_tensor_parallel(build_model(cfg).to(tctx.device), tctx, sequence_parallel=cfg.sequence_parallel,
-                                  async_grad_allreduce=cfg.async_grad_allreduce, rng_seed=cfg.seed)
+    # Built on the meta device; each rank materialises only its shards of the serial run's weights (on tctx.device).
+    model = apply_tensor_parallel(build_model(cfg, meta=True), tctx, sequence_parallel=cfg.sequence_parallel,
+                                  async_grad_allreduce=cfg.async_grad_allreduce, rng_seed=cfg.seed,
+                                  init_seed=cfg.seed)
     model.train()
     # The baseline's AdamW on this rank's shards (over fp32 masters in half modes). Gradients live in buffers split
     # by the reduction they need (dp; sp: TP sum first; kv-heads: a slot per head), reduced in place below.

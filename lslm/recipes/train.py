@@ -75,8 +75,16 @@ class TrainConfig:
                          n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout)
 
 
-def build_model(cfg: TrainConfig) -> GPT:
-    """The model of ``cfg``, initialised from ``cfg.seed`` (the same weights on every call)."""
+def build_model(cfg: TrainConfig, *, meta: bool = False) -> GPT:
+    """The model of ``cfg``, initialised from ``cfg.seed`` (the same weights on every call).
+
+    ``meta=True``: shapes only, on the meta device (no memory, no random draws), for
+    ``apply_tensor_parallel`` / ``apply_pipeline`` with ``init_seed=cfg.seed``, which
+    materialise only a rank's part, with exactly these weights (:mod:`lslm.models.deferred_init`).
+    """
+    if meta:
+        with torch.device("meta"):
+            return GPT(cfg.model_config())
     torch.manual_seed(cfg.seed)
     return GPT(cfg.model_config())
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lslm.models.deferred_init import is_meta, place_leaf_, serial_leaves
 from lslm.models.gpt import GPT
 from lslm.runtime.context import ParallelContext
 from lslm.tensor_parallel.hf_plans import gpt2_plan, is_hf_gpt2, is_hf_llama, llama_plan
@@ -183,17 +184,11 @@ def _convert(name: str, module: nn.Module, style: Style, pctx: ParallelContext, 
                                                      label=name)
     if isinstance(style, VocabHead):
         lin = _linear_view(module, False)
-        full_w = torch.zeros(padded_vocab, lin.in_features, dtype=lin.weight.dtype, device=lin.weight.device)
-        full_w[: lin.out_features] = lin.weight
-        full_b = None
-        if lin.bias is not None:
-            full_b = torch.zeros(padded_vocab, dtype=lin.bias.dtype, device=lin.bias.device)
-            full_b[: lin.out_features] = lin.bias
         layer = ColumnParallelLinear(lin.in_features, padded_vocab, pctx, bias=lin.bias is not None,
                                      sequence_parallel=sp, regather_input=opts.regather_input,
                                      async_grad_allreduce=opts.async_grad_allreduce, label=name,
                                      device=lin.weight.device, dtype=lin.weight.dtype)
-        layer.load_full(full_w, full_b)
+        layer.load_full(lin.weight, lin.bias)  # the rows past the vocabulary (padding) become zeros
         return layer
     if isinstance(style, SequenceSharded):
         for p in module.parameters():
@@ -217,13 +212,49 @@ def _has_dropout(model: nn.Module) -> bool:
                for m in model.modules())
 
 
+def _convert_streamed(model: nn.Module, ctx: ParallelContext, opts: TPOptions, padded: int,
+                      styles: dict[str, Style], init_seed: int) -> None:
+    """The meta-device path: replay the serial build leaf by leaf and keep only this rank's part of each.
+
+    A leaf the plan shards becomes its parallel module from the full-size leaf (which is then
+    dropped); any other leaf gets its whole values on ``ctx.device``. Only one full-size leaf
+    exists at a time, so a rank's memory at start is its shards plus about one layer.
+    """
+    replacing = (Colwise, Rowwise, VocabEmbedding, VocabHead)
+    leaves = {name for name, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None}
+    inner = [name for name, style in styles.items() if isinstance(style, replacing) and name not in leaves]
+    if inner:
+        raise ValueError(f"plan entries {inner} are not modules that own parameters; a model on the meta device "
+                         "is converted leaf by leaf: build it on a real device for this plan")
+    for name, full in serial_leaves(model, init_seed):
+        style = styles.get(name)
+        if isinstance(style, replacing):
+            new = _convert(name, full, style, ctx, opts, padded)
+            assert new is not None
+            _set_submodule(model, name, new.to(ctx.device))
+        else:
+            place_leaf_(model, name, full, ctx.device)
+            if style is not None:  # marks only (SequenceSharded)
+                _convert(name, model.get_submodule(name), style, ctx, opts, padded)
+        del full
+
+
 def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, plan: TPPlan | None = None, *,
                           sequence_parallel: bool = False, async_grad_allreduce: bool = False,
-                          regather_input: bool = True, vocab_multiple: int = 1, rng_seed: int = 0) -> nn.Module:
+                          regather_input: bool = True, vocab_multiple: int = 1, rng_seed: int = 0,
+                          init_seed: int | None = None) -> nn.Module:
     """Swap ``model``'s modules for tensor-parallel ones over ``ctx``'s TP group, in place; return ``model``.
 
     ``plan`` defaults to :func:`plan_for` ``(model)``. Sizes that do not divide raise
-    ``ValueError`` naming them, before any module is replaced. Dropout: if the model has
+    ``ValueError`` naming them, before any module is replaced.
+
+    A model built on the meta device (``with torch.device("meta"): GPT(cfg)``) needs
+    ``init_seed``, the seed the serial run builds it from: the serial build is replayed one
+    layer at a time (:func:`lslm.models.deferred_init.serial_leaves`) and each rank keeps only
+    its shards, on ``ctx.device``, bit-for-bit the slices of the serial weights; the full model
+    never exists on any rank. The global generator is left where the serial build leaves it.
+
+    Dropout: if the model has
     any, ``ctx.rng`` is set up with :func:`~lslm.tensor_parallel.random.model_parallel_seed`
     ``(ctx, rng_seed, reseed_default=False)`` unless it already exists, and the plan's sharded
     dropout draws from the tensor-parallel stream. Under ``sequence_parallel`` every dropout in
@@ -236,6 +267,12 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, plan: TPPlan |
     """
     if getattr(model, "tensor_parallel", None) is not None:
         raise ValueError("this model is already tensor-parallel (apply_tensor_parallel was called on it)")
+    meta = is_meta(model)
+    if meta and init_seed is None:
+        raise ValueError("the model is on the meta device (shapes only): pass init_seed=<the seed the serial run "
+                         "builds it from> so that each rank materialises its shards of those weights")
+    if not meta and init_seed is not None:
+        raise ValueError("init_seed is for a model built on the meta device; this model already holds weights")
     plan = plan if plan is not None else plan_for(model)
     opts = TPOptions(sequence_parallel=sequence_parallel, async_grad_allreduce=async_grad_allreduce,
                      regather_input=regather_input, vocab_multiple=vocab_multiple)
@@ -246,10 +283,13 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, plan: TPPlan |
                if (style := _style_of(name, plan.styles)) is not None]
     if not targets:
         raise ValueError(f"the plan matched no module of {type(model).__name__}; patterns: {list(plan.styles)}")
-    converted = [(name, _convert(name, module, style, ctx, opts, padded)) for name, module, style in targets]
-    for name, new in converted:
-        if new is not None:
-            _set_submodule(model, name, new)
+    if meta:
+        _convert_streamed(model, ctx, opts, padded, {name: style for name, _, style in targets}, init_seed)
+    else:
+        converted = [(name, _convert(name, module, style, ctx, opts, padded)) for name, module, style in targets]
+        for name, new in converted:
+            if new is not None:
+                _set_submodule(model, name, new)
     if plan.tied is not None:
         head, emb = plan.tied
         model.get_submodule(head).weight = model.get_submodule(emb).weight  # the same (V/t, C) rows on both

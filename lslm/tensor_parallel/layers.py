@@ -50,12 +50,23 @@ def mark(param: nn.Parameter, *, sharded: bool, partition_dim: int = -1, sequenc
 
 
 def shard_rows(full: torch.Tensor, pctx: ParallelContext, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """This rank's rows of ``full``: ``rows`` (indices) if given, else block ``tp_rank`` of ``tp_size`` equal blocks."""
+    """This rank's rows of ``full``: ``rows`` (indices) if given, else block ``tp_rank`` of ``tp_size`` equal blocks.
+
+    A view of ``full`` for a block (a gathered tensor for explicit ``rows``): copy it into the
+    parameter that keeps it; no full-size or shard-size copy is made on the way.
+    """
     if rows is not None:
-        return full.index_select(0, rows.to(full.device)).clone()
+        return full.index_select(0, rows.to(full.device))
     if full.shape[0] % pctx.tp_size:
         raise ValueError(f"{full.shape[0]} rows do not split over tp={pctx.tp_size} ranks")
-    return full.chunk(pctx.tp_size, dim=0)[pctx.tp_rank].clone()
+    return full.chunk(pctx.tp_size, dim=0)[pctx.tp_rank]
+
+
+def _load_padded_rows(local: torch.Tensor, full: torch.Tensor, start: int) -> None:
+    # local = full[start : start + len(local)], rows past full's end zero: no padded copy of full is made.
+    real = full[start:min(start + local.shape[0], full.shape[0])]
+    local[: real.shape[0]].copy_(real)
+    local[real.shape[0]:].zero_()
 
 
 def _check_divides(what: str, size: int, tp: int) -> None:
@@ -127,7 +138,17 @@ class ColumnParallelLinear(nn.Module):
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor | None = None) -> None:
         """Copy this rank's slice of a full ``(out, in)`` weight (and bias) into the layer (the same seed → same
-        start as the serial layer)."""
+        start as the serial layer).
+
+        A weight with fewer rows than ``out_features`` (a vocabulary padded to a multiple of
+        ``t``) fills the rows it has and the padding becomes zeros; only this rank's rows are
+        read, no padded copy of the whole weight is made.
+        """
+        if rows is None and weight.shape[0] < self.out_features:
+            _load_padded_rows(self.weight, weight, self.pctx.tp_rank * self.out_per_rank)
+            if self.bias is not None and bias is not None:
+                _load_padded_rows(self.bias, bias, self.pctx.tp_rank * self.out_per_rank)
+            return
         self.weight.copy_(shard_rows(weight, self.pctx, rows))
         if self.bias is not None and bias is not None:
             self.bias.copy_(shard_rows(bias, self.pctx, rows))
@@ -252,9 +273,7 @@ class VocabParallelEmbedding(nn.Module):
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor) -> None:
         """Copy this rank's rows of a full table (rows past its end, the padding, become zeros)."""
-        full = torch.zeros(self.num_embeddings, self.embedding_dim, dtype=weight.dtype, device=weight.device)
-        full[: weight.shape[0]] = weight
-        self.weight.copy_(full[self.vocab_start:self.vocab_end])
+        _load_padded_rows(self.weight, weight, self.vocab_start)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids ``(B, T)`` -> embeddings ``(B, T, C)`` (``(B, T/t, C)`` with ``sequence_parallel``)."""
