@@ -39,8 +39,9 @@ def _shape_report(ctx: ParallelContext) -> dict[str, Any]:
 
 
 def _ledger_volumes(ctx: ParallelContext, numel: int) -> dict[str, bool]:
-    """Every wrapped collective and p2p op once, on ctx.device; a correctness flag per op."""
+    """Every wrapped collective and p2p op once, on ctx.device, with completion times; a correctness flag per op."""
     n, r, comm, dev = ctx.world_size, ctx.rank, ctx.comm, ctx.device
+    comm.ledger.record_completion = True  # the test checks every record's completion time
     ok: dict[str, bool] = {}
     x = torch.full((numel,), float(r + 1), device=dev)
     comm.all_reduce(x)

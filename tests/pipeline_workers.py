@@ -118,6 +118,8 @@ def run_case(ctx: ParallelContext, x: torch.Tensor, y: torch.Tensor, *, schedule
     extras["p2p_bytes"] = sorted({r.nbytes for r in p2p})
     extras["comm_actions"] = sorted(str(a) for a in pipe.executor.actions if a.is_comm)
     extras["dp_sync"] = sorted(r.label for r in records if r.label.startswith("pp dp grads"))
+    # Completion times are stamped only for a recorded timeline (the executor's ledger.timed()).
+    extras["p2p_timed"] = sorted({r.completion_s is not None for r in p2p})
     if memory:
         extras["memory"] = {**pipe.last_memory, **(trace or {})}
     if timeline:

@@ -1,4 +1,5 @@
-"""The comm ledger v2: records with labels, axes, issue and completion times; thread safety; no CUDA on CPU.
+"""The comm ledger v2: records with labels, axes, issue and (on request) completion times; thread safety; no CUDA
+on CPU.
 
 Pure, or in torch's fake process group (nothing moves, every call returns at once):
 the byte counts and times on real processes are checked in tests/test_context.py.
@@ -166,7 +167,10 @@ def test_a_disabled_ledger_hands_back_torchs_p2p_works_and_counts_them() -> None
             comm.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(4, 2).t(), 1)])
         comm.ledger.enabled = True
         comm.isend(x, 1).wait()
-        assert comm.ledger.calls() == 1 and comm.ledger.records[0].completion_s is not None
+        assert comm.ledger.calls() == 1 and comm.ledger.records[0].completion_s is None  # no timeline asked
+        with comm.ledger.timed():
+            comm.isend(x, 1).wait()
+        assert comm.ledger.calls() == 2 and comm.ledger.records[1].completion_s is not None
 
 
 def test_a_disabled_ledger_is_torchs_call_plus_a_counter_for_every_collective() -> None:
@@ -190,9 +194,103 @@ def test_a_disabled_ledger_is_torchs_call_plus_a_counter_for_every_collective() 
         comm.barrier()
         assert comm.ledger.calls() == 0 and comm.ledger.dropped == 9
         comm.ledger.enabled = True
-        assert isinstance(comm.all_reduce(x, async_op=True), TimedWork)
+        assert not isinstance(comm.all_reduce(x, async_op=True), TimedWork)  # recorded, but no timeline asked
         comm.all_reduce(x)
         assert comm.ledger.calls() == 2 and comm.ledger.dropped == 9
+        comm.ledger.record_completion = True
+        assert isinstance(comm.all_reduce(x, async_op=True), TimedWork)
+
+
+def test_by_default_an_enabled_ledger_records_issue_times_and_hands_back_torchs_works(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No timeline asked: every call recorded (bytes, label, issue time), completion_s None, torch's own works,
+    and nothing of the completion machinery touched (no wrapper, no future callback, no stamp, no clock anchor)."""
+    import lslm.runtime.ledger as ledger_module
+
+    def boom(*_: object, **__: object) -> None:
+        raise AssertionError("completion machinery reached without a timeline")
+
+    for name in ("TimedWork", "stamp", "prepare"):
+        monkeypatch.setattr(ledger_module, name, boom)
+    with fake_world(0, 2):
+        comm = Comm()
+        assert not comm.ledger.record_completion and not comm.ledger.stamps_completion
+        x = torch.ones(4)
+        before = time.perf_counter()
+        work = comm.all_reduce(x, async_op=True, label="grads")
+        assert isinstance(work, dist.Work)  # torch's object itself, not a wrapper
+        work.wait()
+        comm.all_reduce(x)
+        comm.barrier()
+        comm.send(x, 1)
+        comm.recv(x, 1)
+        p2p = [comm.isend(x, 1), comm.irecv(torch.empty(4), 1)]
+        p2p += comm.batch_isend_irecv([dist.P2POp(dist.isend, x, 1), dist.P2POp(dist.irecv, torch.empty(4), 1)])
+        for w in p2p:
+            assert isinstance(w, dist.Work)
+            w.wait()
+        recs = comm.ledger.records
+        assert [r.op for r in recs] == ["all_reduce", "all_reduce", "barrier", "send", "recv", "send", "recv",
+                                        "send", "recv"]
+        assert recs[0].label == "grads" and recs[0].nbytes == 16 and recs[0].axis == "world"
+        assert all(before <= r.issue_s <= time.perf_counter() for r in recs)
+        assert all(r.completion_s is None and r.duration_s is None for r in recs)
+        assert comm.ledger.to_list()[0]["completion_s"] is None
+
+
+def test_with_completion_times_requested_every_call_is_stamped() -> None:
+    """``record_completion`` for a run, or ``timed()`` for a scope: wrapped works, completion after issue."""
+    from lslm.runtime.completion import TimedWork
+
+    with fake_world(0, 2):
+        comm = Comm(CommLedger(record_completion=True))
+        assert comm.ledger.stamps_completion
+        x = torch.ones(4)
+        work = comm.all_reduce(x, async_op=True)
+        assert isinstance(work, TimedWork) and isinstance(work.work, dist.Work)
+        work.wait()
+        comm.all_reduce(x)
+        comm.barrier()
+        comm.send(x, 1)
+        for w in [comm.isend(x, 1)] + comm.batch_isend_irecv([dist.P2POp(dist.irecv, torch.empty(4), 1)]):
+            assert isinstance(w, TimedWork)
+            w.wait()
+        recs = comm.ledger.records
+        assert len(recs) == 6
+        assert all(r.completion_s is not None and r.issue_s <= r.completion_s for r in recs)
+        # A scope on a ledger that records no completion otherwise: stamped inside, not outside.
+        comm.ledger.record_completion = False
+        comm.all_reduce(x, async_op=True).wait()
+        with comm.ledger.timed():
+            comm.all_reduce(x, async_op=True).wait()
+        with comm.ledger.timed(False):
+            comm.all_reduce(x, async_op=True).wait()
+        assert [r.completion_s is not None for r in comm.ledger.records[6:]] == [False, True, False]
+
+
+def test_timed_scopes_nest_and_count_across_threads() -> None:
+    ledger = CommLedger()
+    inside, leave = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with ledger.timed():
+            inside.set()
+            leave.wait(5)
+
+    t = threading.Thread(target=other)
+    with ledger.timed():
+        with ledger.timed():
+            assert ledger.stamps_completion
+        assert ledger.stamps_completion  # the inner scope's exit leaves the outer one on
+        t.start()
+        assert inside.wait(5)
+    assert ledger.stamps_completion  # the other thread's scope is still open: leaving ours did not turn it off
+    leave.set()
+    t.join()
+    assert not ledger.stamps_completion
+    with pytest.raises(RuntimeError), ledger.timed():
+        raise RuntimeError("a failing step")
+    assert not ledger.stamps_completion  # closed on the way out of an exception too
 
 
 def test_marks_are_host_times_on_the_cpu() -> None:
@@ -231,6 +329,7 @@ def test_comm_records_axis_label_and_times_in_a_fake_world() -> None:
         given = CommLedger()
         assert Comm(ledger=given).ledger is given  # an empty ledger is used, not replaced
         ctx = _ctx(RankGrid.build(4, tp=2, cp=2), 1)
+        bare.ledger.record_completion = ctx.comm.ledger.record_completion = True  # times checked below
         x = torch.ones(4)
         bare.all_reduce(x, label="bare")
         bare.all_reduce(x, group=ctx.tp_group)  # a group this Comm was never told about
@@ -262,12 +361,14 @@ def test_the_cpu_path_never_touches_cuda(monkeypatch: pytest.MonkeyPatch) -> Non
     with fake_world(0, 2):
         ctx = _ctx(RankGrid.build(2, tp=2), 0)
         x = torch.ones(3)
-        ctx.comm.all_reduce(x)
-        ctx.comm.all_reduce(x, async_op=True).wait()
-        ctx.comm.isend(x, 1).wait()
-        ctx.comm.barrier()
+        for timed in (False, True):  # without and with completion times (the CPU clock, then)
+            with ctx.comm.ledger.timed(timed):
+                ctx.comm.all_reduce(x)
+                ctx.comm.all_reduce(x, async_op=True).wait()
+                ctx.comm.isend(x, 1).wait()
+                ctx.comm.barrier()
         assert ctx.comm.default_device(ctx.tp_group) == torch.device("cpu")
-        assert len(ctx.comm.ledger.to_list()) == 4 and ctx.mesh.device_type == "cpu"
+        assert len(ctx.comm.ledger.to_list()) == 8 and ctx.mesh.device_type == "cpu"
 
 
 def test_synchronize_never_touches_cuda_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -279,3 +380,13 @@ def test_synchronize_never_touches_cuda_on_cpu(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(torch.cuda, "synchronize", boom)
     synchronize(torch.device("cpu"), torch.device("cpu"))
     synchronize()
+
+
+def test_the_ledger_bench_times_every_variant_and_counts_the_disabled_calls() -> None:
+    from lslm.bench.ledger import VARIANTS, measure
+
+    with fake_world(0, 2):
+        row = measure(calls=4, rounds=2, async_op=True)
+    assert VARIANTS == ("torch", "disabled", "enabled", "timed")
+    assert set(row) == {f"{v}_us" for v in VARIANTS} | {f"{v}_overhead_us" for v in VARIANTS[1:]} | {"dropped"}
+    assert row["dropped"] == 3 + 2 * 4  # warm-up calls, then rounds x calls: nothing recorded, all counted

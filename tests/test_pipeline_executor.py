@@ -316,6 +316,8 @@ def test_p2p_actions_are_posted_and_labelled_as_planned(pp_run: tuple[int, list[
             case = r["cases"][name]
             assert case["p2p"] == case["comm_actions"], (name, r["rank"])
             assert case["p2p_bytes"] == [ROWS // int(name.split("m")[-1]) * T * C * 4], (name, r["rank"])
+            assert case["p2p_timed"] == [False], (name, r["rank"])  # no timeline asked: no completion stamps
+    assert all(r["cases"]["timeline"]["p2p_timed"] == [True] for r in results)  # the timeline's comm bars
     timeline = results[0]["cases"]["timeline"]["timeline"]
     schedule = build_schedule("1f1b", p, 4)
     assert timeline["ranks"] == p and timeline["ordered"]

@@ -162,6 +162,7 @@ def test_bench_quick_structure_and_exact_bytes(tmp_path, capsys) -> None:
     printed = capsys.readouterr().out
     lines = printed.strip().splitlines()
     assert lines[-1].startswith("bucketed / torch DDP step time") and "2 processes" in lines[-1]
+    assert lines[-2].startswith("buffered / torch DDP step time") and "2 processes" in lines[-2]
     assert (tmp_path / "ddp.txt").read_text() == printed  # the .txt is exactly what the bench printed
     assert "== 2 processes (gloo, 1 thread(s)/rank)" in printed
     data = json.loads((tmp_path / "ddp.json").read_text())
@@ -169,11 +170,19 @@ def test_bench_quick_structure_and_exact_bytes(tmp_path, capsys) -> None:
     assert (tmp_path / "ddp.png").stat().st_size > 0
     variants = {(r["variant"], r["bucket_mb"]) for r in res["rows"]}
     mb = res["bucket_cap_mb"]
-    assert {(v, mb) for v in ("naive", "fused", "bucketed", "torch", "local")} <= variants
+    assert {(v, mb) for v in ("naive", "fused", "bucketed", "buffered", "torch", "local")} <= variants
+    assert ("buffered", 0.25) not in variants  # the sweep is the plain bucketed one's
+    main = {r["variant"]: r for r in res["rows"] if r["bucket_mb"] == mb}
+    # The gradient buffer is bucketed at the same cap with the same plan: same buckets, same bytes.
+    assert main["buffered"]["num_buckets"] == main["bucketed"]["num_buckets"]
+    assert main["buffered"]["grad_bytes"] == main["bucketed"]["grad_bytes"] == res["grad_bytes"]
+    # Same weights, data and steps: the buffer changes where gradients live, not the update (2 ranks: a + b is
+    # the same sum wherever an element sits in its bucket, so the weights agree exactly).
+    assert res["buffered_vs_bucketed_max_weight_diff"] == 0.0
     assert {("bucketed", 0.25), ("bucketed", 1.0)} <= variants
     for r in res["rows"]:
         assert len(r["step_ms_all"]) == res["steps"] and r["step_ms"] > 0
-        if r["variant"] in ("naive", "fused", "bucketed"):
+        if r["variant"] in ("naive", "fused", "bucketed", "buffered"):
             assert r["ledger_exact"], r
             assert r["ledger_bytes_per_step"] == [res["grad_bytes"]] * res["steps"]
     assert res["torch_hook_exact"] and res["torch_hook_bytes_per_step"][0] == res["grad_bytes"]

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import run_workers
-from tests.tp_model_workers import ROWS, T
+from tests.tp_model_workers import ROWS, STEPS, T
 
 # fp32 losses after 3 steps. Every parallel matmul sums its products in another order
 # than the serial one (per-rank partial sums, then the all-reduce), so parameters
@@ -116,3 +116,13 @@ def test_sequence_parallel_moves_the_same_volume_as_all_gathers_and_reduce_scatt
         sp_bus = sum(b for op, label, _, b in res["cases"]["sp"]["ledger"]
                      if label.startswith(f"blocks.{layer}.") and "regather" not in label)
         assert tp_bus == sp_bus == 4 * 2 * (t - 1) / t * bsh
+
+
+def test_the_overlap_log_times_every_input_gradient_collective() -> None:
+    # The log asks the ledger for completion times (ledger.timed() around the async all-reduce), so every
+    # one of them, in every step, enters the overlap summary; without them none would (completion unknown).
+    for res in _tp2():
+        case = res["cases"]["async"]
+        column_bwd = [r for r in case["ledger"] if r[0] == "all_reduce" and r[1].endswith(" bwd")]
+        assert len(column_bwd) == 2 * N_LAYER + 1  # attention's qkv and the MLP's first linear per layer, lm_head
+        assert case["overlap"]["collectives"] == STEPS * len(column_bwd)

@@ -133,10 +133,11 @@ _BENCHES: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None], s
                     "size (medians of --repeats), prints algorithm and bus bandwidth (the nccl-tests "
                     "definitions) and fits the alpha-beta cost model.",
                     _collectives_options, "lslm bench collectives --nprocs 2 --sizes-kib 4 1024 --repeats 3"),
-    "ddp": ("naive, fused, bucketed and torch DDP on one GPT, plus a bucket-size sweep",
-            "Trains naive, fused, bucketed and torch DDP and a no-communication floor on the same GPT and "
-            "data, round-robin in one launch per world size; sweeps the bucket size, reports the fraction "
-            "of all-reduce time hidden behind backward and checks all-reduced bytes against gradient bytes.",
+    "ddp": ("naive, fused, bucketed (also on the gradient buffer) and torch DDP on one GPT, plus a bucket-size sweep",
+            "Trains naive, fused, bucketed and torch DDP, bucketed DDP on the gradient buffer (buffered: "
+            "main_grad reduced in place) and a no-communication floor on the same GPT and data, round-robin "
+            "in one launch per world size; sweeps the bucket size, reports the fraction of all-reduce time "
+            "hidden behind backward and checks all-reduced bytes against gradient bytes.",
             _ddp_options, "lslm bench ddp --quick --nprocs 2"),
     "tp": ("lslm tensor parallelism next to PyTorch DTensor's on one GPT, with and without SP",
            "Trains the same GPT tensor-parallel with lslm's layers and with DTensor (parallelize_module, "

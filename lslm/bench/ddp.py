@@ -1,7 +1,7 @@
-"""``lslm bench ddp``: naive, fused, bucketed and torch DDP on the same model, same data, one run.
+"""``lslm bench ddp``: naive, fused, bucketed, buffered and torch DDP on the same model, same data, one run.
 
 For each world size one job is launched. In it every rank builds one model copy per
-*entry* (same seed, same weights): the four variants at the same bucket size, a
+*entry* (same seed, same weights): the five variants at the same bucket size, a
 ``local`` entry that trains without any communication (each rank alone on its
 share: the floor every variant is compared with), and the bucket-size sweep
 (``bucketed``, and ``torch`` too unless ``sweep_torch=False``, at each size of
@@ -13,6 +13,15 @@ where NCCL runs asynchronously); a step costs what its *slowest* rank took, and 
 report medians over the timed steps after ``warmup`` untimed rounds. Every entry sees
 the same batch at the same step. The device is a parameter (``"cpu"``: gloo, ``"cuda"``:
 NCCL); the table, ``ddp.json`` and ``ddp.png`` are written together (:class:`lslm.harness.Report`).
+
+``buffered`` is bucketed DDP on the gradient buffer, the layout the DDP recipe trains
+bucketed DDP with: :func:`~lslm.data_parallel.grad_sync.attach_grad_buffers` gives the model one fp32
+buffer of ``main_grad`` views, bucketed at the same cap, and
+:class:`~lslm.data_parallel.ddp.BucketedDDP` all-reduces each bucket of it in place (no
+copy into bucket buffers and back). ``bucketed`` is the same wrapper on a plain model,
+copying ``.grad`` in and out. Every entry steps through a
+:class:`~lslm.precision.PlainOptimizer` (clip to norm 1, then AdamW), which hands the
+buffered entry's ``main_grad`` to AdamW as ``.grad`` during the step.
 
 Per step and rank: ``compute`` = forward + backward, ``exposed`` = time in
 ``finish_grad_sync()``, ``optimizer`` = clip + AdamW step, ``step`` = all of it.
@@ -46,7 +55,8 @@ ledger, so after timing a separate torch DDP copy gets a comm hook that
 all-reduces each of its buckets through the ledger, and its bytes per step are
 checked the same way (``torch_hook_bytes``).
 
-The last printed line is the bucketed / torch DDP step-time ratio per world size.
+The last two printed lines are the buffered / torch and (last) the bucketed / torch DDP
+step-time ratios per world size.
 """
 
 from __future__ import annotations
@@ -62,6 +72,7 @@ from lslm.bench.ddp_report import plot, print_table, ratio
 from lslm.bench.devices import device_env
 from lslm.data_parallel.ddp import GRAD_LABEL, cap_bytes
 from lslm.harness import Report, StepTimer, Variant, run_variants
+from lslm.precision import PlainOptimizer
 from lslm.runtime.startup import synchronize
 
 __all__ = ["BENCH_MODEL", "DEFAULT_BUCKET_MB", "DEFAULT_SWEEP_MB", "QUICK_MODEL", "plot", "print_table", "ratio",
@@ -75,7 +86,9 @@ QUICK_MODEL = dict(vocab_size=1024, block_size=32, n_layer=2, n_head=2, n_embd=6
 DEFAULT_BUCKET_MB = 4.0
 DEFAULT_SWEEP_MB = (0.25, 1.0, 4.0, 16.0)
 QUICK_SWEEP_MB = (0.25, 1.0)
-MAIN_VARIANTS = ("naive", "fused", "bucketed", "torch")
+MAIN_VARIANTS = ("naive", "fused", "bucketed", "buffered", "torch")
+#: The entries whose every all-reduce goes through the ledger (torch's reducer does not).
+LEDGER_VARIANTS = ("naive", "fused", "bucketed", "buffered")
 #: The phases of a step, as spans between the marks :func:`_one_step` sets; "compute" picks the critical rank.
 PHASES = {"compute": ("start", "backward_end"), "exposed": ("backward_end", "sync_end"),
           "optimizer": ("sync_end", "end")}
@@ -105,12 +118,16 @@ def _torch_hook_bytes(model_cfg: dict[str, Any], ctx: Any, bucket_cap_mb: float,
     return out
 
 
-def _one_step(net: Any, ddp: Any, opt: Any, block: torch.Tensor, timer: StepTimer) -> None:
-    """One training step between the timer's start and stop, marking forward, backward and sync ends."""
+def _one_step(net: Any, ddp: Any, opt: PlainOptimizer, block: torch.Tensor, timer: StepTimer) -> None:
+    """One training step between the timer's start and stop, marking forward, backward and sync ends.
+
+    ``opt`` is a :class:`~lslm.precision.PlainOptimizer`: it zeroes ``.grad`` or the gradient
+    buffers, whichever hold the gradients, and clips whichever it finds before AdamW's step.
+    """
     from lslm.recipes.ddp import model_loss
 
     x, y = block[:, :-1], block[:, 1:]
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad()
     loss = model_loss(ddp if ddp is not None else net, x, y)
     timer.mark("forward_end")
     loss.backward()
@@ -118,8 +135,23 @@ def _one_step(net: Any, ddp: Any, opt: Any, block: torch.Tensor, timer: StepTime
     if ddp is not None:
         ddp.finish_grad_sync()
     timer.mark("sync_end")
-    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-    opt.step()
+    opt.step(1.0)  # clip to a global norm of 1, then AdamW
+
+
+def _build(variant: str, model: dict[str, Any], ctx: Any, bucket_cap_mb: float,
+           seed: int) -> tuple[Any, Any, PlainOptimizer]:
+    """One entry's model (the same weights for every entry), its DDP wrapper (None for ``local``) and optimizer."""
+    from lslm.data_parallel.ddp import make_ddp
+    from lslm.data_parallel.grad_sync import attach_grad_buffers
+    from lslm.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    net = GPT(GPTConfig(**model)).to(ctx.device)
+    if variant == "buffered":  # gradients in fp32 buffers bucketed at the same cap, reduced in place
+        attach_grad_buffers(net, ctx, bucket_cap_mb=bucket_cap_mb)
+    kind = "bucketed" if variant == "buffered" else variant
+    ddp = None if variant == "local" else make_ddp(net, ctx, variant=kind, bucket_cap_mb=bucket_cap_mb)
+    return net, ddp, PlainOptimizer(net, torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False))
 
 
 def _entries(bucket_cap_mb: float, sweep_mb: list[float] | None, sweep_torch: bool) -> list[tuple[str, float]]:
@@ -139,8 +171,6 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
 
     from lslm.data.dataset import token_blocks
     from lslm.data.sampler import make_sampler
-    from lslm.data_parallel.ddp import make_ddp
-    from lslm.models.gpt import GPT, GPTConfig
     from lslm.runtime import init_distributed
 
     with init_distributed(device=device, seed=seed) as ctx:
@@ -156,10 +186,7 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
 
         runs, variants = [], []
         for variant, mb in entries:
-            torch.manual_seed(seed)
-            net = GPT(GPTConfig(**model)).to(dev)
-            ddp = None if variant == "local" else make_ddp(net, ctx, variant=variant, bucket_cap_mb=mb)
-            opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False)
+            net, ddp, opt = _build(variant, model, ctx, mb, seed)
             runs.append((variant, mb, net, ddp, opt))
             start = [0]  # the ledger's length when this entry's step began
 
@@ -176,9 +203,13 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
         timings = list(run_variants(variants, steps=steps, warmup=warmup, phases=PHASES, critical="compute",
                                     device=dev, after_round=lambda _i: ledger.reset()).values())
 
-        # One more (untimed) step of the main bucketed entry with its timeline on, for the overlap plot.
         main_b = entries.index(("bucketed", bucket_cap_mb))
         _, _, bnet, bddp, bopt = runs[main_b]
+        # The same steps from the same weights: the buffered entry must have done bucketed's arithmetic.
+        fnet = runs[entries.index(("buffered", bucket_cap_mb))][2]
+        buffered_diff = max((a - b).abs().max().item() for a, b in zip(fnet.parameters(), bnet.parameters()))
+
+        # One more (untimed) step of the main bucketed entry with its timeline on, for the overlap plot.
         bddp.record_timeline = True
         bddp.reset_timeline()
         dist.barrier()
@@ -211,12 +242,12 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
             grad_bytes = int(ddp.grad_bytes) if ddp is not None else 0
             rows.append({
                 "world_size": n, "variant": variant, "bucket_mb": mb,
-                "num_buckets": len(ddp.buckets) if variant in ("naive", "fused", "bucketed") else None,
+                "num_buckets": len(ddp.buckets) if variant in LEDGER_VARIANTS else None,
                 "step_ms": t.median() * 1e3, "compute_ms": t.median("compute") * 1e3,
                 "exposed_ms": t.median("exposed") * 1e3, "optimizer_ms": t.median("optimizer") * 1e3,
                 "step_ms_all": [x * 1e3 for x in t.total_s],
                 "grad_bytes": grad_bytes, "ledger_bytes_per_step": t.extra,
-                "ledger_exact": variant in ("naive", "fused", "bucketed") and all(b == grad_bytes for b in t.extra)
+                "ledger_exact": variant in LEDGER_VARIANTS and all(b == grad_bytes for b in t.extra)
                 and grad_bytes == 4 * num_params,
             })
         main = rows[main_b]
@@ -229,6 +260,7 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
             "torch_hook_bytes_per_step": [b for b, _ in torch_hook],
             "torch_hook_exact": all(b == 4 * num_params for b, _ in torch_hook),
             "torch_num_buckets": torch_hook[-1][1],  # after its re-plan from the first iteration
+            "buffered_vs_bucketed_max_weight_diff": buffered_diff,
             "timeline": gathered,
         }
     return {"rank": ctx.rank, **(result if ctx.rank == 0 else {})}
@@ -270,6 +302,8 @@ def run(nprocs: tuple[int, ...] = (2, 4), *, quick: bool = False, model: dict[st
     with Report("ddp", out_dir) as report:
         print_table(results, report)
         report.write(results, plot)
+        report.print("buffered / torch DDP step time: "
+                     + ", ".join(f"{n} processes {ratio(r, 'buffered'):.2f}x" for n, r in results.items()))
         report.print("bucketed / torch DDP step time (target <= 1.10): "
                      + ", ".join(f"{n} processes {ratio(r):.2f}x" for n, r in results.items()))
     return results

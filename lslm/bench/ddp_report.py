@@ -21,7 +21,8 @@ def _row(rows: list[dict[str, Any]], variant: str, mb: float) -> dict[str, Any]:
 
 
 def ratio(result: dict[str, Any], a: str = "bucketed", b: str = "torch") -> float:
-    """Median step time of variant ``a`` over ``b`` at the common bucket size."""
+    """Median step time of variant ``a`` over ``b`` at the common bucket size (``StopIteration`` if either is
+    missing: results written before the ``buffered`` variant have none)."""
     mb = result["bucket_cap_mb"]
     return _row(result["rows"], a, mb)["step_ms"] / _row(result["rows"], b, mb)["step_ms"]
 
@@ -42,7 +43,7 @@ def print_table(results: dict[int, dict[str, Any]], report: Report | None = None
         for r in res["rows"]:
             if r["bucket_mb"] != mb:
                 continue
-            if r["variant"] in ("naive", "fused", "bucketed"):
+            if r["variant"] in ("naive", "fused", "bucketed", "buffered"):
                 led = f"{r['ledger_bytes_per_step'][0]:,} = grads {r['ledger_exact']}"
             elif r["variant"] == "torch":
                 led = (f"{res['torch_hook_bytes_per_step'][0]:,} = grads {res['torch_hook_exact']} "
@@ -53,6 +54,9 @@ def print_table(results: dict[int, dict[str, Any]], report: Report | None = None
             out(f"{r['variant']:<9} {r['bucket_mb']:>10g} {'-' if nb is None else nb:>7} {r['step_ms']:>8.1f} "
                 f"{r['compute_ms']:>8.1f} {r['exposed_ms']:>8.1f} {r['optimizer_ms']:>6.1f} "
                 f"{r['step_ms'] / local:>7.2f}x {r['step_ms'] / torch_ms:>7.2f}x  {led}")
+        if any(r["variant"] == "buffered" for r in res["rows"]):  # absent from results written before it
+            out("buffered = bucketed DDP on the gradient buffer: main_grad views into fp32 buffers, each bucket "
+                "all-reduced in place (no copies)")
         out(f"bucket-size sweep: {'bucket MiB':>10} {'buckets':>7} {'bucketed ms':>11} {'torch ms':>9} "
             f"{'ratio':>6}")
         for m in sorted({r["bucket_mb"] for r in res["rows"] if r["variant"] == "bucketed"}):

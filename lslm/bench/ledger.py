@@ -1,12 +1,13 @@
 """What the communication ledger costs per call: a bare ``torch.distributed`` call vs lslm's ``Comm``.
 
-Three variants of the same all-reduce of one fp32 number, interleaved round by round in one
+Four variants of the same all-reduce of one fp32 number, interleaved round by round in one
 process: ``torch`` (``dist.all_reduce``), ``disabled`` (``Comm``
-with ``ledger.enabled = False``: counted, nothing recorded) and ``enabled`` (a record, the
-clock, the axis name). Each round times ``calls`` calls per variant; the table gives the
-median over rounds of the time per call and the overhead over ``torch``. Synchronous and
-``async_op=True`` (then the work is waited) are measured separately: an asynchronous call
-also gets a work wrapper and a completion callback when the ledger is on.
+with ``ledger.enabled = False``: counted, nothing recorded), ``enabled`` (the default: a
+record with its issue time, the axis name) and ``timed`` (enabled with completion times,
+``ledger.record_completion = True``, as timelines ask for). Each round times ``calls`` calls
+per variant; the table gives the median over rounds of the time per call and the overhead
+over ``torch``. Synchronous and ``async_op=True`` (then the work is waited) are measured
+separately: a timed asynchronous call also gets a work wrapper and a callback on its future.
 
 The world is torch's fake process group (2 ranks) whose collectives return at once, so what
 is timed is the Python around the call and nothing else (it lives in torch's internal testing
@@ -28,25 +29,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lslm.runtime.ledger import Comm
+from lslm.runtime.ledger import Comm, CommLedger
 
 __all__ = ["main", "measure"]
 
-VARIANTS = ("torch", "disabled", "enabled")
+VARIANTS = ("torch", "disabled", "enabled", "timed")
 
 
 def measure(calls: int = 2000, rounds: int = 15, async_op: bool = False) -> dict[str, float]:
     """Median microseconds per call of each variant (and overheads over torch); needs an initialised group."""
     x = torch.zeros(1)  # lslm: cpu-ok (the bench runs in torch's fake group: nothing leaves the host)
-    off, on = Comm(), Comm()
-    off.ledger.enabled = False
+    comms = {"disabled": Comm(), "enabled": Comm(), "timed": Comm(CommLedger(record_completion=True))}
+    comms["disabled"].ledger.enabled = False
 
     def one(variant: str) -> None:
         if variant == "torch":
             work = dist.all_reduce(x, async_op=async_op)
         else:
-            comm = off if variant == "disabled" else on
-            work = comm.all_reduce(x, async_op=async_op, label="bench")
+            work = comms[variant].all_reduce(x, async_op=async_op, label="bench")
         if async_op:
             work.wait()
 
@@ -55,16 +55,19 @@ def measure(calls: int = 2000, rounds: int = 15, async_op: bool = False) -> dict
         for v in VARIANTS:
             one(v)
     for r in range(rounds):
-        order = VARIANTS[r % 3:] + VARIANTS[:r % 3]  # rotate: no variant always runs first
+        k = r % len(VARIANTS)
+        order = VARIANTS[k:] + VARIANTS[:k]  # rotate: no variant always runs first
         for v in order:
             t0 = time.perf_counter()
             for _ in range(calls):
                 one(v)
             samples[v].append((time.perf_counter() - t0) / calls * 1e6)
-        on.ledger.reset()
+        comms["enabled"].ledger.reset()
+        comms["timed"].ledger.reset()
     med = {v: statistics.median(s) for v, s in samples.items()}
-    return {**{f"{v}_us": med[v] for v in VARIANTS}, "disabled_overhead_us": med["disabled"] - med["torch"],
-            "enabled_overhead_us": med["enabled"] - med["torch"], "dropped": off.ledger.dropped}
+    return {**{f"{v}_us": med[v] for v in VARIANTS},
+            **{f"{v}_overhead_us": med[v] - med["torch"] for v in VARIANTS[1:]},
+            "dropped": comms["disabled"].ledger.dropped}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -87,11 +90,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         dist.destroy_process_group()
     lines = [f"per-call cost of an all-reduce of 1 float in torch's fake 2-rank group (no communication), "
              f"median of {args.rounds} rounds x {args.calls} calls (torch {torch.__version__})",
-             f"{'call':<6} {'torch us':>9} {'disabled us':>12} {'enabled us':>11} {'disabled-torch':>15} "
-             f"{'enabled-torch':>14}"]
+             "enabled: records with issue times (the default); timed: with completion times too (for timelines)",
+             f"{'call':<6} {'torch us':>9} {'disabled us':>12} {'enabled us':>11} {'timed us':>9} "
+             f"{'disabled-torch':>15} {'enabled-torch':>14} {'timed-torch':>12}"]
     for style, r in rows.items():
         lines.append(f"{style:<6} {r['torch_us']:9.2f} {r['disabled_us']:12.2f} {r['enabled_us']:11.2f} "
-                     f"{r['disabled_overhead_us']:15.2f} {r['enabled_overhead_us']:14.2f}")
+                     f"{r['timed_us']:9.2f} {r['disabled_overhead_us']:15.2f} {r['enabled_overhead_us']:14.2f} "
+                     f"{r['timed_overhead_us']:12.2f}")
     text = "\n".join(lines)
     print(text)
     out = Path(args.out)

@@ -52,6 +52,7 @@ def worker(model: dict[str, Any], bucket_caps_mb: list[float], batch_per_rank: i
     from lslm.bench.ddp import _one_step  # the bench's timed step: the same marks, so the same phases
     from lslm.data_parallel.ddp import make_ddp
     from lslm.models.gpt import GPT, GPTConfig
+    from lslm.precision import PlainOptimizer
     from lslm.runtime import init_distributed
 
     wall = {"start": time.perf_counter()}  # where the job's own time goes (the notebook has a budget)
@@ -71,7 +72,7 @@ def worker(model: dict[str, Any], bucket_caps_mb: list[float], batch_per_rank: i
             torch.manual_seed(seed)
             net = GPT(GPTConfig(**model)).to(dev)
             ddp = None if mb is None else make_ddp(net, ctx, variant="bucketed", bucket_cap_mb=mb)
-            opt = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False)
+            opt = PlainOptimizer(net, torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False))  # as _one_step wants
             entries.append(("local" if mb is None else f"bucketed {mb:g}", net, ddp, opt))
 
         def step_of(net: Any, ddp: Any, opt: Any) -> Any:

@@ -17,7 +17,8 @@ A schedule (:mod:`lslm.pipeline.schedules`) gives each rank an ordered list of a
 
 Optional recording: a timeline (compute from ``perf_counter`` around each action,
 synchronising the device first on CUDA; communication from the ledger's issue and
-completion times) and activation memory (:class:`~lslm.pipeline.memory.PipelineMemory`).
+completion times, which the ledger stamps only inside a recorded step: ``ledger.timed()``)
+and activation memory (:class:`~lslm.pipeline.memory.PipelineMemory`).
 """
 
 from __future__ import annotations
@@ -115,20 +116,22 @@ class PipelineExecutor:
             self.memory.reset()
         first = next(iter(self.stages.values()))
         st = _Step(xs, ys, loss_weight, (*xs[0].shape, first.module.config.n_embd), first.dtype, record, origin)
-        i, n = 0, len(self.actions)
-        while i < n:
-            if self.actions[i].is_comm:
-                j = i
-                while j < n and self.actions[j].is_comm:
-                    j += 1
-                self._communicate(self.actions[i:j], st)
-                i = j
-                continue
-            self._compute(self.actions[i], st)
-            if self.ctx.dp_size > 1 and sync_grads and self.last_backward.get(self.actions[i].stage) == i:
-                st.dp_syncs.append(self._start_dp_sync(self.actions[i].stage))
-            i += 1
-        self._finish(st)
+        # The timeline's comm bars end at the ledger's completion times, which it stamps only on request.
+        with ledger.timed(record):
+            i, n = 0, len(self.actions)
+            while i < n:
+                if self.actions[i].is_comm:
+                    j = i
+                    while j < n and self.actions[j].is_comm:
+                        j += 1
+                    self._communicate(self.actions[i:j], st)
+                    i = j
+                    continue
+                self._compute(self.actions[i], st)
+                if self.ctx.dp_size > 1 and sync_grads and self.last_backward.get(self.actions[i].stage) == i:
+                    st.dp_syncs.append(self._start_dp_sync(self.actions[i].stage))
+                i += 1
+            self._finish(st)
         if record:
             synchronize(self.ctx.device)  # on CUDA the completion times come from events: let them all happen
             st.events += comm_events(ledger.snapshot()[since:], self.rank, origin)

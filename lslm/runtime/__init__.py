@@ -7,7 +7,7 @@
 * :class:`RankGrid` - the pure rank layout over the named axes ``pp, dp, cp, tp``
   (tensor parallel innermost).
 * :class:`Comm` / :class:`CommLedger` - recorded collectives and p2p: bytes, axis, label,
-  issue and completion times.
+  issue times, and completion times when a timeline asks for them (``ledger.timed()``).
 * :func:`rank_print` / :func:`progress` - rank-0 printing and progress bars.
 
 Launching jobs (``lslm.launch``) is :mod:`lslm.launcher`, a layer above this one; atomic file writes are

@@ -1,7 +1,9 @@
 """When did a communication call finish? Completion times for ledger records.
 
 A record's *issue* time is ``time.perf_counter()`` when lslm made the call. Its
-*completion* time is set once, from whichever thread learns it first:
+*completion* time is stamped only when asked for (the ledger's ``record_completion``,
+or ``with ledger.timed():``, see :class:`~lslm.runtime.records.CommLedger`: timelines
+read it, byte counts do not), and then set once, from whichever thread learns it first:
 
 * blocking calls on the CPU (gloo): right after the call returns;
 * asynchronous calls (``async_op=True``, ``isend``/``irecv``, ``batch_isend_irecv``):

@@ -29,7 +29,10 @@ Each record carries:
 * ``issue_s`` / ``completion_s`` - ``time.perf_counter()`` when the call was made
   and when the operation finished (see :mod:`lslm.runtime.completion`: after the
   call for blocking CPU ops, from the work for asynchronous ones, from CUDA events
-  on GPUs; ``None`` until known).
+  on GPUs; ``None`` until known). Completion times are opt-in, for timelines: only
+  calls issued while ``ledger.stamps_completion`` holds (``ledger.record_completion =
+  True``, or inside ``with ledger.timed():``) get one; the others keep ``None``, and an
+  asynchronous call then returns torch's own work, with no wrapper and no callback.
 
 A :class:`Comm` made outside a context (``Comm()``) records into its own new
 ledger; nothing is dropped unless a caller pauses the ledger on purpose, and then
@@ -72,11 +75,12 @@ class Comm:
 
     Arguments mean what they mean in ``torch.distributed`` (``src``/``dst``/``peer``
     are global ranks; ``group=None`` is the default group). Each method returns what
-    the torch call returns; an asynchronous call returns its work handle wrapped in a
-    :class:`~lslm.runtime.completion.TimedWork` (same ``wait``/``is_completed``/
-    ``get_future``), which stamps the record's completion time; while the ledger is
-    disabled, p2p calls return torch's own works (nothing to stamp). Tensors must be
-    contiguous: gloo and NCCL both require it, and we check early to give a clear error.
+    the torch call returns: an asynchronous call returns torch's own work, unless the
+    ledger stamps completion times (:attr:`CommLedger.stamps_completion`); then the work
+    comes wrapped in a :class:`~lslm.runtime.completion.TimedWork` (same
+    ``wait``/``is_completed``/``get_future``), which stamps the record's completion time.
+    Tensors must be contiguous: gloo and NCCL both require it, and we check early to give
+    a clear error.
 
     ``device`` is where lslm allocates communication tensors that have no data
     tensor to follow (barriers, control flags); see :meth:`default_device`.
@@ -145,10 +149,10 @@ class Comm:
 
     # -- helpers ---------------------------------------------------------------
     def _issue(self, op: str, t: torch.Tensor | None, nbytes: int, group: Any, peer: int | None = None,
-               label: str = "") -> CommRecord:
+               label: str = "", timed: bool = False) -> CommRecord:
         size = 2 if op in ("send", "recv") else dist.get_world_size(group)
-        if t is not None:
-            prepare(t.device)
+        if timed and t is not None:
+            prepare(t.device)  # the CUDA clock's anchor: only a timed call needs it (one device sync)
         rec = CommRecord(op=op, nbytes=nbytes, group_size=size, dtype=_dtype(t) if t is not None else "", peer=peer,
                          label=label, axis=self.group_name(group), issue_s=time.perf_counter())
         self.ledger.record(rec)
@@ -158,19 +162,25 @@ class Comm:
                     /, *args: Any, **kwargs: Any) -> Any:
         """Record and run the collective ``fn``; while the ledger is disabled, only count it and run it.
 
-        The disabled path is torch's call plus one counter: no record, no clock, no work wrapper
-        and no completion callback (measured against a bare ``torch.distributed`` call in
-        ``tests/test_ledger.py``'s overhead check and ``lslm bench ledger``).
+        Three paths, cheapest first (``python -m lslm.bench.ledger`` measures each against a bare
+        ``torch.distributed`` call): disabled, torch's call plus one counter (no record, no clock);
+        enabled, a record with its issue time, and torch's own work back; enabled with completion
+        times (:attr:`CommLedger.stamps_completion`), also a stamp when a blocking call returns, or
+        a work wrapper and a callback on the work's future for an asynchronous one.
         """
-        if not self.ledger.enabled:
-            self.ledger.drop(1)
+        ledger = self.ledger
+        if not ledger.enabled:
+            ledger.drop(1)
             return fn(*args, **kwargs)
         # Positional-only: ``group`` and ``op`` also travel in kwargs, to torch's call.
-        rec = self._issue(kind, t, nbytes, group, label=label)
+        if not ledger.stamps_completion:
+            self._issue(kind, t, nbytes, group, label=label)
+            return fn(*args, **kwargs)
+        rec = self._issue(kind, t, nbytes, group, label=label, timed=True)
         return self._call(rec, t.device, fn, *args, **kwargs)
 
     def _call(self, rec: CommRecord, device: torch.device, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run ``fn``; stamp ``rec`` when it returns (blocking) or wrap its work (asynchronous)."""
+        """Run ``fn`` for a timed record; stamp ``rec`` when it returns (blocking) or wrap its work (asynchronous)."""
         work = fn(*args, **kwargs)
         if work is None or not kwargs.get("async_op", True):
             stamp([rec.done], device)
@@ -269,9 +279,11 @@ class Comm:
             self.ledger.drop(1)
             dist.barrier(group=group)
             return
-        rec = self._issue("barrier", None, 0, group, label=label)
+        timed = self.ledger.stamps_completion
+        rec = self._issue("barrier", None, 0, group, label=label, timed=timed)
         dist.barrier(group=group)
-        rec.complete()  # a blocking barrier returns once every rank arrived, on every backend
+        if timed:
+            rec.complete()  # a blocking barrier returns once every rank arrived, on every backend
 
     # -- point to point --------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None, label: str = "") -> None:
@@ -281,9 +293,11 @@ class Comm:
             self.ledger.drop(1)
             dist.send(tensor, dst=dst, group=group)
             return
-        rec = self._issue("send", tensor, _nbytes(tensor), group, peer=dst, label=label)
+        timed = self.ledger.stamps_completion
+        rec = self._issue("send", tensor, _nbytes(tensor), group, peer=dst, label=label, timed=timed)
         dist.send(tensor, dst=dst, group=group)
-        stamp([rec.done], tensor.device)
+        if timed:
+            stamp([rec.done], tensor.device)
 
     def recv(self, tensor: torch.Tensor, src: int, group: Any = None, label: str = "") -> None:
         """Blocking receive into ``tensor`` from global rank ``src``."""
@@ -292,9 +306,11 @@ class Comm:
             self.ledger.drop(1)
             dist.recv(tensor, src=src, group=group)
             return
-        rec = self._issue("recv", tensor, _nbytes(tensor), group, peer=src, label=label)
+        timed = self.ledger.stamps_completion
+        rec = self._issue("recv", tensor, _nbytes(tensor), group, peer=src, label=label, timed=timed)
         dist.recv(tensor, src=src, group=group)
-        stamp([rec.done], tensor.device)
+        if timed:
+            stamp([rec.done], tensor.device)
 
     def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, label: str = "") -> Any:
         """Non-blocking send; returns a work handle to ``wait()`` on."""
@@ -302,8 +318,10 @@ class Comm:
         if not self.ledger.enabled:
             self.ledger.drop(1)
             return dist.isend(tensor, dst=dst, group=group)
-        rec = self._issue("send", tensor, _nbytes(tensor), group, peer=dst, label=label)
-        return TimedWork(dist.isend(tensor, dst=dst, group=group), [rec.done], tensor.device, p2p=True)
+        timed = self.ledger.stamps_completion
+        rec = self._issue("send", tensor, _nbytes(tensor), group, peer=dst, label=label, timed=timed)
+        work = dist.isend(tensor, dst=dst, group=group)
+        return TimedWork(work, [rec.done], tensor.device, p2p=True) if timed else work
 
     def irecv(self, tensor: torch.Tensor, src: int, group: Any = None, label: str = "") -> Any:
         """Non-blocking receive; returns a work handle to ``wait()`` on."""
@@ -311,8 +329,10 @@ class Comm:
         if not self.ledger.enabled:
             self.ledger.drop(1)
             return dist.irecv(tensor, src=src, group=group)
-        rec = self._issue("recv", tensor, _nbytes(tensor), group, peer=src, label=label)
-        return TimedWork(dist.irecv(tensor, src=src, group=group), [rec.done], tensor.device, p2p=True)
+        timed = self.ledger.stamps_completion
+        rec = self._issue("recv", tensor, _nbytes(tensor), group, peer=src, label=label, timed=timed)
+        work = dist.irecv(tensor, src=src, group=group)
+        return TimedWork(work, [rec.done], tensor.device, p2p=True) if timed else work
 
     def batch_isend_irecv(self, ops: Sequence[dist.P2POp], label: str | Sequence[str] = "") -> list[Any]:
         """Post several sends/receives together (one NCCL group); returns their work handles, wait on every one.
@@ -332,11 +352,14 @@ class Comm:
             self.ledger.drop(len(ops))
             return list(dist.batch_isend_irecv(list(ops)))
         recs = []
+        timed = self.ledger.stamps_completion
         for p, lab in zip(ops, labels):
             self._contig(p.tensor)
             kind = "send" if p.op in (dist.isend, getattr(dist, "send", None)) else "recv"
-            recs.append(self._issue(kind, p.tensor, _nbytes(p.tensor), p.group, peer=p.peer, label=lab))
+            recs.append(self._issue(kind, p.tensor, _nbytes(p.tensor), p.group, peer=p.peer, label=lab, timed=timed))
         works = dist.batch_isend_irecv(list(ops))
+        if not timed:
+            return list(works)
         device = ops[0].tensor.device if ops else None
         if len(works) == len(recs):
             return [TimedWork(w, [r.done], device, p2p=True) for w, r in zip(works, recs)]

@@ -46,7 +46,9 @@ class CommRecord:
     """One communication call as seen by this rank.
 
     Immutable except for its completion time, which is set once (from any thread)
-    when the operation is known to be done: :attr:`completion_s`.
+    when the operation is known to be done: :attr:`completion_s`. A :class:`~lslm.runtime.ledger.Comm`
+    stamps it only while its ledger asks for completion times (:attr:`CommLedger.stamps_completion`);
+    otherwise it stays None, and the byte counts, labels and issue time are there as always.
     """
 
     op: str
@@ -66,7 +68,8 @@ class CommRecord:
 
     @property
     def completion_s(self) -> float | None:
-        """perf_counter() time the operation finished; None while unknown (in flight, failed, never waited)."""
+        """perf_counter() time the operation finished; None while unknown (in flight, failed, never waited, or
+        issued while the ledger recorded no completion times: :attr:`CommLedger.stamps_completion`)."""
         return self.done.time()
 
     @property
@@ -94,12 +97,47 @@ class CommLedger:
     fire on autograd's worker thread). ``enabled = False`` (or :meth:`paused`) stops
     recording on purpose, e.g. in a timed loop; calls made meanwhile are counted in
     ``dropped``, so a ledger never loses records without saying so.
+
+    **Completion times are opt-in.** Stamping when an operation finished costs a work
+    wrapper and a callback on its future per asynchronous call (a CUDA event per call on
+    GPUs), and only timelines read it. So a :class:`~lslm.runtime.ledger.Comm` stamps
+    ``completion_s`` only for calls issued while :attr:`stamps_completion` holds: set
+    ``record_completion = True`` for a whole run, or issue the calls to time inside
+    ``with ledger.timed():`` (as the pipeline executor's timeline and the tensor-parallel
+    overlap log do). Otherwise records have ``completion_s = None`` and an asynchronous
+    call returns torch's own work.
     """
 
     records: list[CommRecord] = field(default_factory=list)
     enabled: bool = True
     dropped: int = 0
+    record_completion: bool = False
+    _timed_scopes: int = field(default=0, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def stamps_completion(self) -> bool:
+        """Whether a call issued now gets its completion time: ``record_completion``, or inside :meth:`timed`."""
+        return self.record_completion or self._timed_scopes > 0
+
+    @contextmanager
+    def timed(self, on: bool = True) -> Iterator[CommLedger]:
+        """``with ledger.timed():`` calls issued inside get completion times (``on=False`` changes nothing).
+
+        Scopes are counted rather than toggled, so two threads (a step and a gradient hook) can
+        each open one without the first to leave turning the other's off. Calls issued on
+        another thread while a scope is open are stamped too: harmless, their times are known.
+        """
+        if not on:
+            yield self
+            return
+        with self._lock:
+            self._timed_scopes += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._timed_scopes -= 1
 
     def record(self, rec: CommRecord) -> None:
         """Append ``rec`` (while ``enabled`` is False, count it in ``dropped`` instead)."""

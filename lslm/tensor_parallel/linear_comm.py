@@ -19,7 +19,8 @@ One autograd function, three modes (Megatron-LM's ``LinearWithGradAccumulationAn
 ``overlap_log``, if a list, receives per backward the times at which the weight-gradient
 matmul started and ended (marks: the host clock on the CPU, CUDA events on GPUs, see
 :func:`lslm.runtime.completion.mark`), next to the ledger record of the collective it
-overlapped, so the overlap is measured against the collective's completion time.
+overlapped, so the overlap is measured against the collective's completion time (which
+the ledger stamps for that collective because the log asks: ``ledger.timed()``).
 """
 
 from __future__ import annotations
@@ -70,12 +71,15 @@ class _LinearWithTPCommunication(Function):
             total = saved
         grad_input = grad_out.matmul(weight)
         work, comm_index = None, len(ledger.records)
-        if fn.sp:
-            grad_input, work = reduce_scatter_along(grad_input, pctx, SEQUENCE_DIM, bwd_label(fn.label),
-                                                    async_op=True)
-        elif fn.async_allreduce:
-            grad_input = grad_input.contiguous()
-            work = pctx.comm.all_reduce(grad_input, group=pctx.tp_group, async_op=True, label=bwd_label(fn.label))
+        # A logged overlap is measured against the collective's completion time: ask the ledger for it.
+        with ledger.timed(fn.overlap_log is not None):
+            if fn.sp:
+                grad_input, work = reduce_scatter_along(grad_input, pctx, SEQUENCE_DIM, bwd_label(fn.label),
+                                                        async_op=True)
+            elif fn.async_allreduce:
+                grad_input = grad_input.contiguous()
+                work = pctx.comm.all_reduce(grad_input, group=pctx.tp_group, async_op=True,
+                                            label=bwd_label(fn.label))
         logging = work is not None and fn.overlap_log is not None
         # Marks, not host clocks: on CUDA the host gets here when it has *enqueued* the work before (see
         # lslm.runtime.completion.mark); the comm start is where the current stream lets the collective run.

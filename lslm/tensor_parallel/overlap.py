@@ -3,11 +3,11 @@
 With ``async_grad_allreduce`` (or sequence parallelism) a column-parallel layer starts the
 collective on its input gradient, computes its weight gradient while it is in flight, and
 only then waits (:mod:`lslm.tensor_parallel.linear_comm`). The ledger stamps the
-collective's issue and completion times (on gloo, completion comes from the work's
-future, set by gloo's own thread the moment the operation ends); the layer logs when its
-weight-gradient matmul started and ended. The *hidden* part of one collective is the
-intersection of the two intervals; what is left (completion after the matmul ended) was
-exposed, waited for on the critical path.
+collective's issue and completion times (completion on request, which a layer with a log
+makes; on gloo it comes from the work's future, set by gloo's own thread the moment the
+operation ends); the layer logs when its weight-gradient matmul started and ended. The
+*hidden* part of one collective is the intersection of the two intervals; what is left
+(completion after the matmul ended) was exposed, waited for on the critical path.
 
 On a 2-core CPU the "communication" is itself done by CPU threads competing with the
 matmul for the same cores, so the overlap measured here says that the schedule allows
