@@ -1,0 +1,12 @@
+"""ZeRO: the model states of data parallelism partitioned over its ranks (Rajbhandari et al. 2020).
+
+* :mod:`.layout` - which slice of the padded gradient buffer each rank owns, and the pieces of
+  parameters inside it (:func:`shard_layout`), FSDP2's per-parameter padding for comparison;
+* :mod:`.optimizer` - :class:`ZeroOptimizer`, stage 1: optimizer states and fp32 masters partitioned,
+  gradients reduce-scattered and parameters all-gathered in place on bucket views.
+"""
+
+from lslm.zero.layout import Piece, ShardLayout, fsdp_padding, shard_layout
+from lslm.zero.optimizer import ZeroOptimizer
+
+__all__ = ["Piece", "ShardLayout", "ZeroOptimizer", "fsdp_padding", "shard_layout"]
