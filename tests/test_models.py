@@ -57,6 +57,26 @@ def test_causal() -> None:
     assert not torch.allclose(a[:, 12:], b[:, 12:])
 
 
+def test_sequence_first_runs_the_same_model_and_returns_batch_first_logits_without_a_copy() -> None:
+    model = _tiny()
+    idx = torch.randint(0, 1024, (3, 16), generator=torch.Generator().manual_seed(1))
+    want, loss = model(idx, idx)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.sequence_first = True
+    assert all(block.attn.sequence_first for block in model.blocks)
+    got, loss = model(idx, idx)
+    loss.backward()
+    assert got.shape == want.shape and got.transpose(0, 1).is_contiguous()  # a view of the (T, B, V) logits
+    # fp32: the same per-row arithmetic; weight gradients sum their rows in another order (largest seen 4.5e-8).
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=0, atol=1e-6, msg=n)
+    model.sequence_first = False
+    assert not any(block.attn.sequence_first for block in model.blocks)
+
+
 def test_deterministic_init_and_names() -> None:
     a, b = _tiny(seed=7), _tiny(seed=7)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))

@@ -97,8 +97,10 @@ def test_layers_split_puts_embed_first_and_head_last_and_shows_the_param_imbalan
     assert len(by_params[0].block_ids) < len(by_params[1].block_ids)
 
 
-def test_stages_share_the_models_parameters_and_chain_to_its_forward_bit_for_bit() -> None:
+@pytest.mark.parametrize("sequence_first", [False, True])
+def test_stages_share_the_models_parameters_and_chain_to_its_forward_bit_for_bit(sequence_first: bool) -> None:
     model = _model()
+    model.sequence_first = sequence_first  # (T, B, C) hidden states between the stages; logits (B, T, V) anyway
     x = torch.randint(0, 1024, (3, 16), generator=torch.Generator().manual_seed(1))
     expected, _ = model(x)
     named = dict(model.named_parameters())

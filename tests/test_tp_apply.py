@@ -79,6 +79,16 @@ def test_sequence_parallel_marks_the_replicated_parameters_with_partial_gradient
                                     "attn.c_proj.bias", "mlp.c_proj.bias")])
 
 
+def test_sequence_parallel_runs_the_gpt_sequence_first() -> None:
+    with fake_world(0, 2):
+        assert not apply_tensor_parallel(GPT(GPTConfig.tiny()), _ctx(2, 0, 2)).sequence_first
+        model = apply_tensor_parallel(GPT(GPTConfig.tiny()), _ctx(2, 0, 2), sequence_parallel=True)
+        assert model.sequence_first and all(block.attn.sequence_first for block in model.blocks)
+        layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear,
+                                                               VocabParallelEmbedding))]
+        assert layers and all(m.sequence_dim == 0 for m in layers)  # the leading dimension: no rearrangement
+
+
 def test_tied_weights_stay_tied() -> None:
     with fake_world(0, 2):
         model = apply_tensor_parallel(GPT(GPTConfig.tiny(tie_weights=True)), _ctx(2, 0, 2))

@@ -49,6 +49,8 @@ def test_each_layer_communicates_exactly_what_megatron_does(nproc: int) -> None:
     assert ledger["row_sp"] == {"reduce_scatter|row fwd": 1, "all_gather|row bwd": 1}
     assert ledger["embedding"] == {"all_reduce|emb fwd": 1}
     assert ledger["embedding_sp"] == {"reduce_scatter|emb fwd": 1, "all_gather|emb bwd": 1}
+    for case in ("column_sp", "row_sp", "embedding_sp"):  # batch-first: the same collectives
+        assert ledger[f"{case}_batch_first"] == ledger[case]
     # Three sums over the vocabulary in two all-reduces (max, then target logit and sum of exps together).
     assert ledger["cross_entropy"] == {"all_reduce|vocab-parallel-ce max": 1,
                                        "all_reduce|vocab-parallel-ce target+sumexp": 1,
@@ -56,24 +58,34 @@ def test_each_layer_communicates_exactly_what_megatron_does(nproc: int) -> None:
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_a_block_copies_activations_only_where_the_batch_first_layout_forces_it(nproc: int) -> None:
+def test_a_block_copies_activations_only_where_the_all_reduce_needs_its_own_buffer(nproc: int) -> None:
     """Copies per GPT block (forward + backward, B=2 rows, counted by lslm.metrics.allocations).
 
     Without SP: the two f backwards (attention and MLP input gradients), whose incoming gradient
     other branches still read, so the all-reduce works on a copy; g's forward sums in place.
-    With SP: one rank-major rearrangement per collective, since the activations are batch-first
-    (B, T, C) and each rank's piece is T/t rows of every sequence: 2 all-gathers and 2
-    reduce-scatters forward, their 4 transposes backward, and the 2 regathers of the saved
-    inputs (regather=True). Megatron's (T, B, C) layout, or B = 1, needs none of the 10.
-    Before the gradient-buffer change (issue 19) the same block made 4 and 16 copies.
+    With SP: none. The GPT runs sequence-first (T, B, C) under sequence parallelism, so each
+    rank's slice of the sequence is one contiguous block and no all-gather or reduce-scatter
+    rearranges anything; attention's head split and merge stay views (the fused CPU kernel
+    writes its output in the query's memory order). Batch-first, the same block made 10: one
+    rank-major rearrangement per collective (2 all-gathers and 2 reduce-scatters forward, their
+    4 transposes backward, the 2 regathers). Before the gradient-buffer change (issue 19): 4 and 16.
     """
     copies = _suite(nproc)[0]["copies"]
     act = B * T * 2 * C * 4  # one (B, T, 2C) fp32 activation
     assert copies["tp copies"] == 2 and copies["tp copy bytes"] == 2 * act
-    assert copies["sp copies"] == 10
-    # forward: 2 gathers of the full activation + 2 reduce-scatters of it; backward: the same 4 again; the
-    # 2 regathers: full activations too
-    assert copies["sp copy bytes"] == 10 * act
+    assert copies["sp copies"] == 0 and copies["sp copy bytes"] == 0
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_sequence_parallel_layers_rearrange_nothing_sequence_first(nproc: int) -> None:
+    """Each SP layer's forward + backward: no copy sequence-first (the default, dim 0); batch-first (dim 1, the
+    Hugging Face plans) one per collective: column 3 (gather, regather, reduce-scatter; 2 without the regather),
+    row 2 (reduce-scatter, gather), embedding 2 (reduce-scatter, gather of the gradient)."""
+    copies = _suite(nproc)[0]["layer copies"]
+    assert {k: v for k, v in copies.items() if k.endswith("seq0")} == {
+        "column seq0": 0, "column saved seq0": 0, "row seq0": 0, "embedding seq0": 0}
+    assert {k: v for k, v in copies.items() if k.endswith("seq1")} == {
+        "column seq1": 3, "column saved seq1": 2, "row seq1": 2, "embedding seq1": 2}
 
 
 def test_vocab_padding() -> None:

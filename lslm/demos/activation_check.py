@@ -219,8 +219,8 @@ def _measure_tp(pctx: Any, mode: str, s: int, b: int, h: int, a: int, dropout: f
     model = GPT(block_config(s, b, h, a, dropout, 1)).to(pctx.device).train()
     apply_tensor_parallel(model, pctx, sequence_parallel=sp, regather_input=regather)
     x = _block_input(s, b, h, seed).to(pctx.device)
-    if sp:
-        x = x.chunk(t, dim=1)[pctx.tp_rank]
+    if sp:  # under sequence parallelism the GPT runs sequence-first: this rank's (s/t, b, h) slice
+        x = x.transpose(0, 1).chunk(t, dim=0)[pctx.tp_rank]
     x = x.contiguous().requires_grad_()
     act, (y, rows) = _measure(lambda: model.blocks[0](x), model, attention)
     # No backward here: the bytes are counted in the forward, and the re-gathering backward is

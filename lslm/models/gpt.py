@@ -4,7 +4,11 @@ Module and parameter names are part of the course's contract: later chapters
 shard ``c_attn``/``c_fc`` by columns and ``c_proj`` by rows (Megatron), split
 ``blocks`` into pipeline stages, and partition all parameters (ZeRO). Keep them.
 
-Shapes: ``B`` batch, ``T`` sequence length, ``C = n_embd``, ``V = vocab_size``.
+Shapes: ``B`` batch, ``T`` sequence length, ``C = n_embd``, ``V = vocab_size``. The hidden
+states are batch-first, ``(B, T, C)``, unless :attr:`GPT.sequence_first` is set: then the
+blocks run on ``(T, B, C)`` (Megatron's layout, which tensor parallelism's sequence-parallel
+mode switches on so that its collectives along the sequence copy nothing); token ids,
+targets and logits are batch-first either way.
 """
 
 from __future__ import annotations
@@ -85,6 +89,9 @@ class CausalSelfAttention(nn.Module):
     (and, with sequence parallelism, receives only a slice of the sequence).
     """
 
+    #: The layout of ``x``: ``(B, T, C)``, or ``(T, B, C)`` when True (set through :attr:`GPT.sequence_first`).
+    sequence_first = False
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
@@ -95,18 +102,29 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, T, C) -> (B, T, C)``; position ``t`` attends to positions ``<= t`` only."""
+        """``(B, T, C) -> (B, T, C)`` (``(T, B, C)`` sequence-first); position ``t`` attends to positions ``<= t``."""
         q, k, v = self.c_attn(x).chunk(3, dim=-1)
         # Shapes come from the projection's output, not from x: under sequence parallelism
         # x holds a slice of the sequence and c_attn returns the whole of it.
-        B, T, width = q.shape
+        if self.sequence_first:
+            T, B, width = q.shape
+        else:
+            B, T, width = q.shape
         n_head = width // self.head_dim  # local heads (all of them without TP)
-        # (B, T, h*d) -> (B, h, T, d): attention runs per head.
-        q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        # (B, T, h*d) or (T, B, h*d) -> (B, h, T, d), views: attention runs per head.
+        if self.sequence_first:
+            q, k, v = (t.view(T, B, n_head, self.head_dim).permute(1, 2, 0, 3) for t in (q, k, v))
+        else:
+            q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)
+        # (B, h, T, d) -> (B, T, h*d) or (T, B, h*d). A view after the fused CPU kernel, which writes its
+        # output in the query's memory order; a copy after the math path (dropout), in either layout.
+        if self.sequence_first:
+            y = y.permute(2, 0, 1, 3).reshape(T, B, n_head * self.head_dim)
+        else:
+            y = y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -201,10 +219,15 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}")
         # Positions are created on the input's device: the model never assumes CUDA.
         pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        if self.sequence_first:  # (T, B) ids: the embedding writes (T, B, C); positions broadcast over B
+            x = self.drop(self.wte(idx.t().contiguous()) + self.wpe(pos).unsqueeze(1))
+        else:
+            x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
+        if self.sequence_first:
+            logits = logits.transpose(0, 1)  # (B, T, V): a view of the (T, B, V) logits
         loss = None
         if targets is not None:
             if targets.shape != idx.shape:
@@ -222,6 +245,27 @@ class GPT(nn.Module):
             # float(): under bf16/fp16 autocast the softmax is still taken in fp32.
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
         return logits, loss
+
+    _sequence_first = False
+
+    @property
+    def sequence_first(self) -> bool:
+        """The hidden states' layout: ``(B, T, C)`` (False, the default) or ``(T, B, C)`` (True).
+
+        Sequence-first is Megatron's layout. Tensor parallelism turns it on with sequence
+        parallelism (``apply_tensor_parallel``): a rank's slice of the sequence is then one
+        contiguous block, so the all-gathers and reduce-scatters along it need no copies.
+        The embedding transposes the token ids (``B·T`` integers, not ``B·T·C`` activations)
+        and the logits come back batch-first ``(B, T, V)`` as a transposed view (not a copy).
+        Setting it sets every block's attention too.
+        """
+        return self._sequence_first
+
+    @sequence_first.setter
+    def sequence_first(self, value: bool) -> None:
+        self._sequence_first = bool(value)
+        for block in self.blocks:
+            block.attn.sequence_first = self._sequence_first
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Number of parameters (shared tensors counted once); ``non_embedding`` leaves out ``wpe``

@@ -69,9 +69,12 @@ def _unit_forward(model: GPT, unit: int, x: torch.Tensor) -> torch.Tensor:
     n_blocks = len(model.blocks)
     if unit == 0:
         pos = torch.arange(x.shape[1], device=x.device)
+        if model.sequence_first:
+            return model.drop(model.wte(x.t().contiguous()) + model.wpe(pos).unsqueeze(1))
         return model.drop(model.wte(x) + model.wpe(pos))
     if unit == n_blocks + 1:
-        return model.lm_head(model.ln_f(x))
+        out = model.lm_head(model.ln_f(x))
+        return out.transpose(0, 1) if model.sequence_first else out
     return model.blocks[unit - 1](x)
 
 
@@ -193,7 +196,9 @@ class GPTStage(nn.Module):
     ``is_first`` (holds the embedding): ``forward`` takes token ids ``(b, T)`` (int64);
     otherwise hidden states ``(b, T, C)``. ``is_last`` (holds the head): ``forward`` returns
     logits ``(b, T, V)``; otherwise hidden states ``(b, T, C)``. The ops are those of
-    ``GPT.forward`` in the same order, so chaining every stage is bit-for-bit the GPT.
+    ``GPT.forward`` in the same order, so chaining every stage is bit-for-bit the GPT,
+    its layout included: a stage cut from a GPT with ``sequence_first`` set keeps it, and its
+    hidden states are ``(T, b, C)`` (the pipeline executor's buffers assume batch-first).
     """
 
     def __init__(self, model: GPT, index: int, num_stages: int, start: int, stop: int) -> None:
@@ -204,6 +209,7 @@ class GPTStage(nn.Module):
         self.index, self.num_stages, self.start, self.stop = index, num_stages, start, stop
         self.config = model.config
         self.is_first, self.is_last = start == 0, stop == n_units
+        self.sequence_first = model.sequence_first
         if self.is_first:
             self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
         first_block, last_block = max(start, 1) - 1, min(stop, n_units - 1) - 1
@@ -222,11 +228,16 @@ class GPTStage(nn.Module):
             if x.shape[1] > self.config.block_size:
                 raise ValueError(f"sequence length {x.shape[1]} exceeds block_size={self.config.block_size}")
             pos = torch.arange(x.shape[1], device=x.device)
-            x = self.drop(self.wte(x) + self.wpe(pos))
+            if self.sequence_first:
+                x = self.drop(self.wte(x.t().contiguous()) + self.wpe(pos).unsqueeze(1))
+            else:
+                x = self.drop(self.wte(x) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
         if self.is_last:
             x = self.lm_head(self.ln_f(x))
+            if self.sequence_first:
+                x = x.transpose(0, 1)
         return x
 
     def model_names(self) -> Iterator[tuple[str, nn.Parameter]]:

@@ -12,7 +12,9 @@ weights. The model's ``forward`` is untouched: lslm's GPT reads its local head c
   :func:`~lslm.tensor_parallel.cross_entropy.gather_logits`;
 * with ``sequence_parallel``, replicated parameters that see only a slice of the sequence
   have partial gradients: call :func:`lslm.tensor_parallel.grads.sync_sequence_parallel_grads`
-  after backward (Korthikanti et al. 2022, Section 4.2.2);
+  after backward (Korthikanti et al. 2022, Section 4.2.2); lslm's GPT then runs
+  sequence-first (:attr:`~lslm.models.gpt.GPT.sequence_first`), so the sequence collectives
+  copy nothing, and still returns ``(B, T, V/t)`` logits (a transposed view);
 * ``model.tensor_parallel`` holds a :class:`TPInfo` (sizes, options) for the loss,
   checkpoints and clipping.
 
@@ -70,13 +72,17 @@ class TPInfo:
 
 def _slice_positions(pctx: ParallelContext) -> Callable[..., torch.Tensor]:
     def hook(_module: nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
-        # (T, C) position embeddings -> this rank's positions: the residual stream holds only them.
+        # The (T, C) rows of positions 0..T-1 -> this rank's T/t: the residual stream holds only them. The
+        # positions' layout is the table's whatever the stream's (GPT broadcasts them over the batch after).
         return split_along(out, pctx, dim=0) if out.dim() == 2 else split_along(out, pctx, dim=1)
     return hook
 
 
-def _gpt_sequence_parallel_positions(model: nn.Module, pctx: ParallelContext, opts: TPOptions) -> None:
+def _gpt_sequence_parallel(model: nn.Module, pctx: ParallelContext, opts: TPOptions) -> None:
+    # Sequence-first (T, B, C) residual stream: every sequence gather and reduce-scatter (the
+    # layers' default dim 0) is along the leading dimension, so none copies to lay out its data.
     if opts.sequence_parallel and pctx.tp_size > 1:
+        model.sequence_first = True
         model.wpe.register_forward_hook(_slice_positions(pctx))
         mark(model.wpe.weight, sharded=False, sequence_parallel=True)
 
@@ -90,7 +96,7 @@ def gpt_plan(model: nn.Module) -> TPPlan:
                 "blocks.*.ln_1": SequenceSharded(), "blocks.*.ln_2": SequenceSharded(), "ln_f": SequenceSharded(),
                 "lm_head": VocabHead()},
         vocab_size=cfg.vocab_size,
-        fixups=[_gpt_sequence_parallel_positions],
+        fixups=[_gpt_sequence_parallel],
         # Attention dropout acts on this rank's heads; the residual dropout right after the
         # row-parallel c_proj acts on the all-reduced (replicated) output.
         sharded_dropout=("blocks.*.attn",),

@@ -34,6 +34,12 @@ see the whole sequence. The gather moves one level up, with the same communicati
   full sequence, which is what attention sees after its gather;
 * the final norm's output is all-gathered (GPT-2 reshapes it to the input's length) and
   the head, also without input communication, returns this rank's vocabulary logits.
+
+Hugging Face models stay **batch-first** ``(B, T, C)`` (their code reads and reshapes that
+layout): every sequence collective here, the row layers' reduce-scatters included, is along
+``dim=1`` (:data:`BATCH_FIRST_SEQUENCE_DIM`), one rearrangement copy each, where lslm's
+GPT runs sequence-first under sequence parallelism and copies nothing
+(:mod:`lslm.tensor_parallel.mappings`).
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ import torch
 from torch import nn
 
 from lslm.runtime.context import ParallelContext
-from lslm.tensor_parallel.layers import ColumnParallelLinear
+from lslm.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from lslm.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -55,7 +61,10 @@ from lslm.tensor_parallel.mappings import (
 )
 from lslm.tensor_parallel.plan import Colwise, Rowwise, SequenceSharded, TPOptions, TPPlan, VocabEmbedding, VocabHead
 
-__all__ = ["gpt2_plan", "is_hf_gpt2", "is_hf_llama", "llama_plan"]
+__all__ = ["BATCH_FIRST_SEQUENCE_DIM", "gpt2_plan", "is_hf_gpt2", "is_hf_llama", "llama_plan"]
+
+#: Where the sequence is in Hugging Face hidden states, ``(B, T, C)``.
+BATCH_FIRST_SEQUENCE_DIM = 1
 
 
 def _is_transformers(model: nn.Module, name: str) -> bool:
@@ -108,16 +117,21 @@ def _sequence_parallel_fixup(embedding: str, entry: str, gathered: tuple[str, ..
         if not opts.sequence_parallel:
             return
         model.get_submodule(embedding).sequence_parallel = False  # whole output: masks and positions need T
+        dim = BATCH_FIRST_SEQUENCE_DIM
+        for layer in model.modules():  # the row layers' reduce-scatters
+            if isinstance(layer, RowParallelLinear):
+                layer.sequence_dim = dim
         model.get_submodule(entry).register_forward_pre_hook(
-            _first_input(lambda x: scatter_to_sequence_parallel_region(x, ctx, f"{entry} sp-scatter")),
+            _first_input(lambda x: scatter_to_sequence_parallel_region(x, ctx, f"{entry} sp-scatter", dim)),
             with_kwargs=True)
         for name, module in _matching(model, gathered):
             module.register_forward_pre_hook(
-                _first_input(lambda x, label=f"{name} sp-gather": gather_from_sequence_parallel_region(x, ctx, label)),
+                _first_input(lambda x, label=f"{name} sp-gather": gather_from_sequence_parallel_region(x, ctx, label,
+                                                                                                     dim)),
                 with_kwargs=True)
             _no_input_comm(module)
         model.get_submodule(final_norm).register_forward_hook(
-            lambda _m, _a, out: gather_from_sequence_parallel_region(out, ctx, f"{final_norm} sp-gather"))
+            lambda _m, _a, out: gather_from_sequence_parallel_region(out, ctx, f"{final_norm} sp-gather", dim))
         _no_input_comm(model.get_submodule(head))
     return fix
 

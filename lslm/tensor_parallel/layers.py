@@ -33,6 +33,7 @@ from torch import nn
 from lslm.runtime.context import ParallelContext
 from lslm.tensor_parallel.linear_comm import linear_with_tp_communication
 from lslm.tensor_parallel.mappings import (
+    SEQUENCE_DIM,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -80,8 +81,10 @@ class ColumnParallelLinear(nn.Module):
 
     * ``gather_output``: all-gather the output slices so every rank returns the full ``Y``
       (off when a row-parallel layer follows: it wants the slices).
-    * ``sequence_parallel``: the input arrives split along the sequence (``dim=1``); it is
-      all-gathered before the matmul and the input gradient is reduce-scattered back.
+    * ``sequence_parallel``: the input arrives split along the sequence (dimension
+      ``sequence_dim``: 0 by default, the sequence-first ``(T, B, C)`` layout in which the
+      collectives copy nothing; 1 for a batch-first model); it is all-gathered before the
+      matmul and the input gradient is reduce-scattered back.
       ``regather_input`` (the default, as Megatron) saves only the sequence slice for
       backward and gathers it again there: ``1/t`` of the activation memory for one more
       all-gather per layer in backward.
@@ -101,7 +104,7 @@ class ColumnParallelLinear(nn.Module):
                  gather_output: bool = False, sequence_parallel: bool = False, regather_input: bool = True,
                  async_grad_allreduce: bool = False, label: str = "column", init_seed: int | None = None,
                  device: torch.device | None = None, dtype: torch.dtype | None = None,
-                 input_comm: bool = True) -> None:
+                 input_comm: bool = True, sequence_dim: int = SEQUENCE_DIM) -> None:
         super().__init__()
         _check_divides("out_features", out_features, pctx.tp_size)
         if gather_output and sequence_parallel:
@@ -114,7 +117,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features, self.pctx = in_features, out_features, pctx
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.regather_input, self.async_grad_allreduce = regather_input, async_grad_allreduce
-        self.label = label
+        self.label, self.sequence_dim = label, sequence_dim
         self.overlap_log: list[dict[str, Any]] | None = None
         self.out_per_rank = out_features // pctx.tp_size
         dev = device if device is not None else pctx.device
@@ -160,7 +163,8 @@ class ColumnParallelLinear(nn.Module):
         else:
             y = linear_with_tp_communication(x, self.weight, self.bias, self.pctx, label=self.label,
                                              sequence_parallel=self.sequence_parallel, regather=self.regather_input,
-                                             async_allreduce=self.async_grad_allreduce, overlap_log=self.overlap_log)
+                                             async_allreduce=self.async_grad_allreduce, overlap_log=self.overlap_log,
+                                             sequence_dim=self.sequence_dim)
         return gather_from_tensor_parallel_region(y, self.pctx, f"{self.label} gather") if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -174,15 +178,16 @@ class RowParallelLinear(nn.Module):
     * ``input_is_parallel``: the input is already this rank's slice of the last dimension
       (what a column-parallel layer produces); otherwise it is split here.
     * ``sequence_parallel``: the partial outputs are reduce-scattered along the sequence
-      instead of all-reduced, leaving each rank ``1/t`` of the sequence; the bias is then
-      added to a sequence slice, so its gradient is partial (marked ``sequence_parallel``).
+      (dimension ``sequence_dim``, as in :class:`ColumnParallelLinear`) instead of all-reduced,
+      leaving each rank ``1/t`` of the sequence; the bias is then added to a sequence slice,
+      so its gradient is partial (marked ``sequence_parallel``).
     The bias is added after the reduction: added before, it would be summed ``t`` times.
     """
 
     def __init__(self, in_features: int, out_features: int, pctx: ParallelContext, *, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, label: str = "row",
                  init_seed: int | None = None, device: torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, sequence_dim: int = SEQUENCE_DIM) -> None:
         super().__init__()
         _check_divides("in_features", in_features, pctx.tp_size)
         if sequence_parallel and not input_is_parallel:
@@ -190,6 +195,7 @@ class RowParallelLinear(nn.Module):
                              "comes from a column-parallel layer)")
         self.in_features, self.out_features, self.pctx = in_features, out_features, pctx
         self.input_is_parallel, self.sequence_parallel, self.label = input_is_parallel, sequence_parallel, label
+        self.sequence_dim = sequence_dim
         self.in_per_rank = in_features // pctx.tp_size
         dev = device if device is not None else pctx.device
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, device=dev, dtype=dtype))
@@ -221,7 +227,7 @@ class RowParallelLinear(nn.Module):
             x = scatter_to_tensor_parallel_region(x, self.pctx, f"{self.label} scatter")
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(partial, self.pctx, self.label)
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.pctx, self.label, self.sequence_dim)
         else:
             y = reduce_from_tensor_parallel_region(partial, self.pctx, self.label)
         return y + self.bias if self.bias is not None else y
@@ -236,18 +242,20 @@ class VocabParallelEmbedding(nn.Module):
 
     Each rank looks up the tokens it owns, writes zeros for the others, and the ranks'
     outputs are summed (all-reduce; with ``sequence_parallel`` a reduce-scatter along the
-    sequence, leaving each rank its slice of the sequence). ``num_embeddings`` must divide
+    sequence, dimension ``sequence_dim`` of the output, leaving each rank its slice of the
+    sequence: pass sequence-first ids ``(T, B)`` for the copy-free default, 0). ``num_embeddings`` must divide
     by ``t``: pad the vocabulary first (:func:`lslm.tensor_parallel.vocab.pad_vocab_size`);
     the padded rows are never looked up.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, pctx: ParallelContext, *,
                  sequence_parallel: bool = False, label: str = "embedding", init_seed: int | None = None,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 sequence_dim: int = SEQUENCE_DIM) -> None:
         super().__init__()
         _check_divides("num_embeddings (the padded vocabulary)", num_embeddings, pctx.tp_size)
         self.num_embeddings, self.embedding_dim, self.pctx = num_embeddings, embedding_dim, pctx
-        self.sequence_parallel, self.label = sequence_parallel, label
+        self.sequence_parallel, self.label, self.sequence_dim = sequence_parallel, label, sequence_dim
         per_rank = num_embeddings // pctx.tp_size
         self.vocab_start, self.vocab_end = pctx.tp_rank * per_rank, (pctx.tp_rank + 1) * per_rank
         dev = device if device is not None else pctx.device
@@ -276,12 +284,13 @@ class VocabParallelEmbedding(nn.Module):
         _load_padded_rows(self.weight, weight, self.vocab_start)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids ``(B, T)`` -> embeddings ``(B, T, C)`` (``(B, T/t, C)`` with ``sequence_parallel``)."""
+        """Token ids -> embeddings (their shape, then ``C``); with ``sequence_parallel`` dimension ``sequence_dim`` is
+        split over the ranks: sequence-first ids ``(T, B)`` give ``(T/t, B, C)`` (the default, 0)."""
         foreign = (idx < self.vocab_start) | (idx >= self.vocab_end)
         local = (idx - self.vocab_start).masked_fill(foreign, 0)
         out = F.embedding(local, self.weight).masked_fill(foreign.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(out, self.pctx, self.label)
+            return reduce_scatter_to_sequence_parallel_region(out, self.pctx, self.label, self.sequence_dim)
         return reduce_from_tensor_parallel_region(out, self.pctx, self.label)
 
     def extra_repr(self) -> str:

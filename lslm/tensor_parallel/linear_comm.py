@@ -10,11 +10,13 @@ One autograd function, three modes (Megatron-LM's ``LinearWithGradAccumulationAn
   returning. The input gradient is needed by the layer below, the weight gradient by nobody
   until the optimizer: computing the one while communicating the other hides the
   communication (Megatron-LM's ``--async-tensor-model-parallel-allreduce``).
-* **sequence parallel**: the input arrives split along the sequence. Forward all-gathers it;
-  backward reduce-scatters the input gradient (asynchronously, overlapped with the weight
-  gradient the same way). With ``regather`` only the slice is saved for backward and the full
-  input is all-gathered again there (Korthikanti et al. 2022, Section 4.2.2): activation
-  memory ``1/t`` for one more all-gather per layer.
+* **sequence parallel**: the input arrives split along the sequence (``sequence_dim``: 0, the
+  sequence-first layout in which neither collective copies anything; 1 for a batch-first
+  model). Forward all-gathers it; backward reduce-scatters the input gradient
+  (asynchronously, overlapped with the weight gradient the same way). With ``regather``
+  only the slice is saved for backward and the full input is all-gathered again there
+  (Korthikanti et al. 2022, Section 4.2.2): activation memory ``1/t`` for one more
+  all-gather per layer.
 
 ``overlap_log``, if a list, receives per backward the times at which the weight-gradient
 matmul started and ended (marks: the host clock on the CPU, CUDA events on GPUs, see
@@ -49,11 +51,11 @@ class _LinearWithTPCommunication(Function):
     @staticmethod
     def forward(fn: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pctx: ParallelContext,
                 label: str, sequence_parallel: bool, regather: bool, async_allreduce: bool,
-                overlap_log: list[dict[str, Any]] | None) -> torch.Tensor:
-        fn.pctx, fn.label, fn.sp, fn.regather = pctx, label, sequence_parallel, regather
+                overlap_log: list[dict[str, Any]] | None, seq_dim: int) -> torch.Tensor:
+        fn.pctx, fn.label, fn.sp, fn.regather, fn.seq_dim = pctx, label, sequence_parallel, regather, seq_dim
         fn.async_allreduce, fn.overlap_log, fn.has_bias = async_allreduce, overlap_log, bias is not None
         if sequence_parallel:
-            total = all_gather_along(x, pctx, SEQUENCE_DIM, fwd_label(label))[0]
+            total = all_gather_along(x, pctx, seq_dim, fwd_label(label))[0]
             fn.save_for_backward(x if regather else total, weight)
         else:
             total = x
@@ -66,7 +68,7 @@ class _LinearWithTPCommunication(Function):
         saved, weight = fn.saved_tensors
         pctx, ledger = fn.pctx, fn.pctx.comm.ledger
         if fn.sp and fn.regather:
-            total = all_gather_along(saved, pctx, SEQUENCE_DIM, bwd_label(f"{fn.label} regather"))[0]
+            total = all_gather_along(saved, pctx, fn.seq_dim, bwd_label(f"{fn.label} regather"))[0]
         else:
             total = saved
         grad_input = grad_out.matmul(weight)
@@ -74,7 +76,7 @@ class _LinearWithTPCommunication(Function):
         # A logged overlap is measured against the collective's completion time: ask the ledger for it.
         with ledger.timed(fn.overlap_log is not None):
             if fn.sp:
-                grad_input, work = reduce_scatter_along(grad_input, pctx, SEQUENCE_DIM, bwd_label(fn.label),
+                grad_input, work = reduce_scatter_along(grad_input, pctx, fn.seq_dim, bwd_label(fn.label),
                                                         async_op=True)
             elif fn.async_allreduce:
                 grad_input = grad_input.contiguous()
@@ -95,20 +97,22 @@ class _LinearWithTPCommunication(Function):
                 fn.overlap_log.append({"record": ledger.records[comm_index] if comm_index < len(ledger.records)
                                        else None, "comm_start_s": start, "wgrad_start_s": start,
                                        "wgrad_end_s": end})
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def linear_with_tp_communication(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                  pctx: ParallelContext, *, label: str, sequence_parallel: bool = False,
                                  regather: bool = True, async_allreduce: bool = False,
-                                 overlap_log: list[dict[str, Any]] | None = None) -> torch.Tensor:
+                                 overlap_log: list[dict[str, Any]] | None = None,
+                                 sequence_dim: int = SEQUENCE_DIM) -> torch.Tensor:
     """``x @ weight.T + bias`` for a column-parallel shard, with the tensor-parallel communication of its input.
 
-    See the module doc for the three modes. On a group of one rank it is a plain linear layer.
+    See the module doc for the three modes (``sequence_dim``: where the sequence is, for the
+    sequence-parallel one). On a group of one rank it is a plain linear layer.
     """
     if pctx.tp_size == 1:
         return F.linear(x, weight, bias)
     if not sequence_parallel and not async_allreduce:
         return F.linear(copy_to_tensor_parallel_region(x, pctx, label), weight, bias)
     return _LinearWithTPCommunication.apply(x, weight, bias, pctx, label, sequence_parallel, regather,
-                                            async_allreduce, overlap_log)
+                                            async_allreduce, overlap_log, sequence_dim)

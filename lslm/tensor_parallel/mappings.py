@@ -20,8 +20,11 @@ function                                    forward                     backward
 The sequence-parallel pair (Korthikanti et al. 2022, Section 4.2.2, Figure 5: ``g`` and
 ``ḡ``) replaces one all-reduce by a reduce-scatter plus an all-gather of the same total
 volume, so that the LayerNorm and dropout regions between them hold ``1/t`` of the
-sequence. Activations here are batch-first ``(B, T, C)``, so "sequence" is ``dim=1``
-by default (Megatron keeps ``(T, B, C)`` and uses dim 0).
+sequence. "Sequence" is ``dim=0`` by default (:data:`SEQUENCE_DIM`): under sequence
+parallelism lslm's GPT runs sequence-first, ``(T, B, C)``, as Megatron does, so each
+rank's slice of the sequence is one contiguous block and neither collective copies
+anything to lay it out. A batch-first ``(B, T, C)`` model (the Hugging Face plans) passes
+``dim=1`` and pays one rearrangement per collective (:func:`all_gather_along`).
 
 Every call goes through ``pctx.comm`` on ``pctx.tp_group``; the ledger label is the
 caller's ``label`` plus ``" fwd"`` or ``" bwd"``, so a test can count a layer's forward
@@ -45,7 +48,9 @@ __all__ = [
     "scatter_to_sequence_parallel_region", "scatter_to_tensor_parallel_region", "split_along",
 ]
 
-SEQUENCE_DIM = 1
+#: The sequence dimension of sequence-parallel activations: 0, for the sequence-first ``(T, B, C)`` layout in which
+#: the gathers and reduce-scatters along it copy nothing (lslm's GPT switches to it under sequence parallelism).
+SEQUENCE_DIM = 0
 
 
 def fwd_label(label: str) -> str:
@@ -87,8 +92,10 @@ def all_gather_along(x: torch.Tensor, pctx: ParallelContext, dim: int, label: st
     contiguous ``x`` as it is into a ``(t, *x.shape)`` buffer (no copy going in), and one
     rearrangement puts the ranks' pieces side by side along ``dim`` (no copy at all when
     ``dim`` is the leading one, or when every dimension before it has size 1). The result is
-    contiguous, so the matmul that reads it copies nothing either. Megatron keeps activations
-    sequence-first, ``(T, B, C)``, so its sequence gathers are always the copy-free case.
+    contiguous, so the matmul that reads it copies nothing either. Sequence-first activations
+    ``(T, B, C)`` (Megatron's layout, and lslm GPT's under sequence parallelism) make every
+    sequence gather the copy-free case; batch-first ones ``(B, T, C)`` gathered along ``dim=1``
+    pay one copy of the whole result.
     ``async_op=True`` is for ``dim`` 0 only (a rearrangement would have to wait for the data).
     """
     k = _dim(x, dim)
