@@ -42,14 +42,16 @@ def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _reference(model: GPT, batches: list, world: int, clip: float | None) -> GPT:
-    """DDP's arithmetic in one process: the mean over ranks of each rank's mean loss, one AdamW over everything."""
+def _reference(model: GPT, batches: list, world: int, clip: float | None, accum: int = 1) -> GPT:
+    """DDP's arithmetic in one process: the mean over ranks of each rank's mean loss (over ``accum`` micro-batches),
+    one AdamW over everything."""
     model = copy.deepcopy(model)
     opt = _adamw(model)
     for x, y in batches:
         opt.zero_grad()
-        losses = [model(xr, yr)[1] for xr, yr in zip(x.chunk(world), y.chunk(world))]
-        (sum(losses) / world).backward()
+        shares = [(xr.chunk(accum), yr.chunk(accum)) for xr, yr in zip(x.chunk(world), y.chunk(world))]
+        for k in range(accum):  # one backward per micro-batch, as the ranks do (sums in the same order)
+            (sum(model(xs[k], ys[k])[1] / accum for xs, ys in shares) / world).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
@@ -80,17 +82,19 @@ def _max_diff(a: nn.Module, b: nn.Module) -> float:
                for pa, pb in zip(a.parameters(), b.parameters()))
 
 
-def _run_zero(ctx: ParallelContext, serial: GPT, batches: list, *, dtype: torch.dtype = torch.float32,
-              bucket_cap_mb: float | None = 0.02, clip: float | None = None) -> tuple[GPT, ZeroOptimizer, list[bool]]:
+def _run_zero(ctx: ParallelContext, serial: GPT, batches: list, *, stage: int = 1, dtype: torch.dtype = torch.float32,
+              bucket_cap_mb: float | None = 0.02, clip: float | None = None,
+              accum: int = 1) -> tuple[GPT, ZeroOptimizer, list[bool]]:
     model = copy.deepcopy(serial)
     scaler = DynamicLossScaler(init_scale=2.0 ** 10) if dtype == torch.float16 else None
-    zero = ZeroOptimizer(model, _adamw(model), ctx, dtype=dtype, scaler=scaler, bucket_cap_mb=bucket_cap_mb)
+    zero = ZeroOptimizer(model, _adamw(model), ctx, stage=stage, dtype=dtype, scaler=scaler,
+                         bucket_cap_mb=bucket_cap_mb)
     stepped = []
     for x, y in batches:
         zero.zero_grad()
         xr, yr = x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]
-        with torch.autocast("cpu", enabled=False):
-            zero.backward(model(xr, yr)[1])
+        for xm, ym in zip(xr.chunk(accum), yr.chunk(accum)):  # micro-batches: each backward reduces (stage 2)
+            zero.backward(model(xm, ym)[1] / accum)
         stepped.append(zero.step(clip))
     return model, zero, stepped
 
@@ -104,11 +108,14 @@ def suite() -> dict[str, Any]:
     batches = _batches(world)
     out: dict[str, Any] = {"world": world}
 
-    # fp32, several buckets, with and without clipping, against DDP's arithmetic.
+    # fp32, several buckets, with and without clipping, against DDP's arithmetic; stage 2 also with 2 micro-batches.
     for clip in (None, 0.05):
         ref = _reference(serial, batches, world, clip)
-        model, zero, _ = _run_zero(ctx, serial, batches, clip=clip)
-        out[f"fp32_diff_clip{clip}"] = _max_diff(model, ref)
+        for stage in (2, 1):
+            model, zero, _ = _run_zero(ctx, serial, batches, stage=stage, clip=clip)
+            out[f"stage{stage}_fp32_diff_clip{clip}"] = _max_diff(model, ref)
+    model2, _, _ = _run_zero(ctx, serial, batches, stage=2, accum=2)
+    out["stage2_accum2_diff"] = _max_diff(model2, _reference(serial, batches, world, None, accum=2))
     out["buckets"] = len(zero.grad_buffer.buckets)
     out["padding"] = sum(b.padding for b in zero.grad_buffer.buckets)
     out["owned"] = zero.layout.param_numel
@@ -147,7 +154,7 @@ def suite() -> dict[str, Any]:
     # Half precision: bf16 and fp16 (loss scaling, vote over the group) against the same arithmetic in one
     # process (fp32 masters, fp32 main_grad), and how far either is from fp32 training.
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        model_h, zero_h, stepped = _run_zero(ctx, serial, batches, dtype=dtype)
+        model_h, zero_h, stepped = _run_zero(ctx, serial, batches, stage=2 if name == "fp16" else 1, dtype=dtype)
         out[f"{name}_diff"] = _max_diff(model_h, _reference_half(serial, batches, world, dtype))
         out[f"{name}_vs_fp32"] = _max_diff(model_h, _reference(serial, batches, world, None))
         out[f"{name}_stepped"] = stepped

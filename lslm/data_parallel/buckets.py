@@ -51,3 +51,31 @@ def plan_buckets(nbytes: Sequence[int], cap: int, keys: Sequence[Hashable] | Non
     if current:
         buckets.append(current)
     return buckets
+
+
+def flat_layout(extents: Sequence[int], itemsize: int, cap: int | None,
+                pad_to: int = 1) -> tuple[list[int], list[tuple[int, int, list[int], int]], int]:
+    """Where each of ``extents`` (elements per tensor) sits in one flat buffer cut into padded buckets.
+
+    Buckets by :func:`plan_buckets` (reverse order, at most ``cap`` bytes; ``None``: one
+    bucket), laid out one after the other; each bucket's length is rounded up to a multiple of
+    ``pad_to`` elements. Returns ``(offsets, buckets, numel)``: ``offsets[i]`` where tensor ``i``
+    starts, ``buckets`` as ``(start, end, tensor indices, padding)``, ``numel`` the total
+    (padding included). The gradient buffer and ZeRO's sharded buffers share this rule.
+    """
+    if not isinstance(pad_to, int) or isinstance(pad_to, bool) or pad_to < 1:
+        raise ValueError(f"pad_to must be an int >= 1, got {pad_to!r}")
+    sizes = [n * itemsize for n in extents]
+    plan = plan_buckets(sizes, cap if cap is not None else max(1, sum(sizes)))
+    offsets = [0] * len(extents)
+    buckets = []
+    position = 0
+    for idx in plan:
+        start = position
+        for i in idx:
+            offsets[i] = position
+            position += extents[i]
+        padded = -(-(position - start) // pad_to) * pad_to
+        buckets.append((start, start + padded, list(idx), padded - (position - start)))
+        position = start + padded
+    return offsets, buckets, position

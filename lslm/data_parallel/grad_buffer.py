@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lslm.data_parallel.buckets import plan_buckets
+from lslm.data_parallel.buckets import flat_layout
 
 __all__ = ["BUFFER_ATTRS", "Bucket", "GradBuffer", "buffers_of", "has_main_grad", "main_grad_or_grad"]
 
@@ -114,20 +114,11 @@ class GradBuffer:
         for i, (count, slot) in self.slots.items():
             if not 0 <= slot < count:
                 raise ValueError(f"{self.names[i]}: slot {slot} is outside 0..{count - 1}")
-        self.offsets: list[int] = [0] * len(params)  # start of each parameter's extent in data
-        self.buckets: list[Bucket] = []
-        sizes = [self._extent(i) * dtype.itemsize for i in range(len(params))]
-        # DDP's planning rule (reverse order, a bucket closes before the cap would be passed); no cap: one bucket.
-        plan = plan_buckets(sizes, bucket_cap_bytes if bucket_cap_bytes is not None else max(1, sum(sizes)))
-        position = 0
-        for idx in plan:
-            bucket = Bucket(len(self.buckets), position, position)
-            for i in idx:
-                self.offsets[i] = position
-                bucket.params.append(i)
-                position += self._extent(i)
-            position = self._close(bucket, position)
-            self.buckets.append(bucket)
+        # DDP's planning rule (reverse order, a bucket closes before the cap would be passed), padded buckets.
+        self.offsets, planned, position = flat_layout([self._extent(i) for i in range(len(params))],
+                                                      dtype.itemsize, bucket_cap_bytes, pad_to)
+        self.buckets: list[Bucket] = [Bucket(b, start, end, idx, padding)
+                                      for b, (start, end, idx, padding) in enumerate(planned)]
         self.numel = position
         self.data = torch.zeros(position, dtype=dtype, device=self.device)
         self._hooks: list[Any] = []
@@ -137,12 +128,6 @@ class GradBuffer:
     def _extent(self, i: int) -> int:
         count = self.slots.get(i, (1, 0))[0]
         return count * self.params[i].numel()
-
-    def _close(self, bucket: Bucket, position: int) -> int:
-        padded = -(-(position - bucket.start) // self.pad_to) * self.pad_to
-        bucket.end = bucket.start + padded
-        bucket.padding = padded - (position - bucket.start)
-        return bucket.end
 
     # -- views -------------------------------------------------------------------------------
     def view(self, i: int) -> torch.Tensor:

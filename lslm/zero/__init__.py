@@ -2,8 +2,9 @@
 
 * :mod:`.layout` - which slice of the padded gradient buffer each rank owns, and the pieces of
   parameters inside it (:func:`shard_layout`), FSDP2's per-parameter padding for comparison;
-* :mod:`.optimizer` - :class:`ZeroOptimizer`, stage 1: optimizer states and fp32 masters partitioned,
-  gradients reduce-scattered and parameters all-gathered in place on bucket views.
+* :mod:`.optimizer` - :class:`ZeroOptimizer`, stages 1 and 2: optimizer states and fp32 masters (and, stage 2,
+  gradients) partitioned; gradients reduce-scattered (stage 2: during backward) and parameters all-gathered in
+  place on bucket views.
 """
 
 from lslm.zero.layout import Piece, ShardLayout, fsdp_padding, shard_layout

@@ -1,17 +1,23 @@
-"""ZeRO stage 1: optimizer states (and fp32 master weights) partitioned over the data-parallel ranks.
+"""ZeRO stages 1 and 2: optimizer states, fp32 masters and (stage 2) gradients partitioned over the dp ranks.
 
-Rajbhandari et al. 2020, §5.1 (P_os). Every rank keeps the whole model and the whole gradient
-buffer, but the optimizer's part of the model states (Adam's two moments, and in fp16/bf16
-the fp32 master weights: ZeRO's ``K = 12`` bytes per parameter) only for its own slice of
-the buffer (:mod:`lslm.zero.layout`). Model-state bytes per rank, with ``Ψ`` parameters over
-``N`` ranks (padding aside, and with the gradient kept in the parameters' dtype as the paper
-counts it): ``2Ψ + 2Ψ + 12Ψ/N`` in fp16/bf16, ``4Ψ + 4Ψ + 8Ψ/N`` in fp32 (whose masters are the
-parameters themselves). The step, in the order Megatron-LM's distributed optimizer runs it:
+Rajbhandari et al. 2020, §5.1 (P_os, stage 1) and §5.2 (P_os+g, stage 2). Every rank keeps the
+whole model, but the optimizer's part of the model states (Adam's two moments, and in
+fp16/bf16 the fp32 master weights: ZeRO's ``K = 12`` bytes per parameter) only for its own
+slice of the padded, bucketed flat layout (:mod:`lslm.zero.layout`); stage 2 also keeps only
+that slice of the gradients. Model-state bytes per rank, with ``Ψ`` parameters over ``N``
+ranks, in fp16/bf16 with the gradient in the parameters' dtype as the paper counts it
+(padding aside): stage 1 ``2Ψ + 2Ψ + 12Ψ/N``, stage 2 ``2Ψ + (2 + 12)Ψ/N``; in fp32 the
+masters are the parameters themselves (``4Ψ + 4Ψ + 8Ψ/N`` and ``4Ψ + 12Ψ/N``). The step, in
+the order Megatron-LM's distributed optimizer runs it:
 
-1. **reduce-scatter** each bucket of the gradient buffer over the dp group, in place: rank
-   ``r``'s slice of the bucket ends up holding the sum over ranks of that slice, divided by
-   ``N`` (and by the loss scale in fp16) to give the mean. Half of an all-reduce's bytes.
-2. fp16: the overflow vote over the slices (every rank sees only its slice, so the vote is an
+1. **reduce-scatter** each bucket over the dp group: rank ``r``'s slice ends up holding the
+   sum over ranks, divided by ``N`` (and by the loss scale in fp16) to give the mean. Stage 1
+   does it at the step, in place on the whole gradient buffer. Stage 2 does it *during*
+   backward: as soon as every gradient of a bucket exists, they are copied into a bucket-sized
+   staging buffer and freed, and the reduce-scatter writes into the slice (at most
+   ``max_inflight`` buckets on their way at once, so staging memory stays bounded); buckets
+   go in index order on every rank, so the collectives pair up. Half an all-reduce's bytes.
+2. fp16: the overflow vote over the slices (each rank sees only its slice, so it is an
    all-reduce of one flag); the global norm for clipping: squared norms of the slices summed
    over the group.
 3. the inner optimizer steps only this rank's pieces (its master weights: views of the
@@ -20,8 +26,8 @@ parameters themselves). The step, in the order Megatron-LM's distributed optimiz
    bucket of the parameter buffer in place, so every rank has every updated weight. The other
    half of the all-reduce's bytes: per step ``2Ψ`` elements cross each rank's link, as in DDP.
 
-The parameters live in one flat buffer with the gradient buffer's layout (same offsets, same
-padded buckets), so both collectives run on bucket views with no copy in or out.
+The parameters live in one flat buffer with that layout (same offsets, same padded
+buckets), so both collectives run on bucket views with no copy in or out.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lslm.data_parallel.buckets import cap_bytes, flat_layout
 from lslm.data_parallel.grad_buffer import GradBuffer, has_main_grad
 from lslm.data_parallel.grad_sync import attach_grad_buffers
 from lslm.precision.scaler import DynamicLossScaler
@@ -45,11 +52,11 @@ REDUCE_SCATTER_LABEL = "zero grads reduce-scatter"
 GATHER_LABEL = "zero params all-gather"
 NORM_LABEL = "zero grad norm"
 
-STAGES = (1,)
+STAGES = (1, 2)
 
 
 class ZeroOptimizer:
-    """A torch optimizer's step, ZeRO stage 1: each data-parallel rank updates only its slice of the model.
+    """A torch optimizer's step, ZeRO stage 1 or 2: each data-parallel rank updates only its slice of the model.
 
     ``model``: an fp32 model (the same weights on every rank). ``optimizer``: a torch optimizer
     built over ``model``'s trainable parameters, with no state yet: its class, hyper-parameters
@@ -60,6 +67,9 @@ class ZeroOptimizer:
     without a ``comm`` votes over the dp group (each rank sees only its slice).
     ``grad_dtype``: the gradient buffer's dtype (fp32 by default; the parameters' dtype
     halves its bytes and sums in 16 bits). ``bucket_cap_mb``: bucket size (``None``: one).
+    ``stage``: 1 (the whole gradient buffer, reduce-scattered at the step) or 2 (only this
+    rank's gradient slices, reduce-scattered bucket by bucket during backward, at most
+    ``max_inflight`` at once).
 
     Interface of :class:`~lslm.precision.master.MixedPrecisionOptimizer`: ``zero_grad()``,
     ``scale_loss(loss)``, ``backward(loss)``, ``step(max_grad_norm) -> bool`` (False when an
@@ -70,7 +80,8 @@ class ZeroOptimizer:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext, *,
                  stage: int = 1, dtype: torch.dtype = torch.float32, scaler: DynamicLossScaler | None = None,
-                 grad_dtype: torch.dtype = torch.float32, bucket_cap_mb: float | None = 25.0) -> None:
+                 grad_dtype: torch.dtype = torch.float32, bucket_cap_mb: float | None = 25.0,
+                 max_inflight: int = 2) -> None:
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage {stage!r} is not implemented here; choose one of {STAGES}")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -93,36 +104,62 @@ class ZeroOptimizer:
         if any(has_main_grad(p) for p in params):
             raise ValueError("the model already has gradient buffers: ZeroOptimizer attaches its own, padded to the "
                              "data-parallel size")
+        if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
+            raise ValueError(f"max_inflight must be an int >= 1 (buckets reduced at once), got {max_inflight!r}")
         self.model, self.ctx, self.stage, self.dtype, self.scaler = model, ctx, stage, dtype, scaler
+        self.max_inflight = max_inflight
         if scaler is not None and scaler.comm is None:
             # Each rank checks only its slice: the overflow vote must span the group.
             scaler.comm, scaler.group = ctx.comm, ctx.group("dp")
         self.group = ctx.group("dp")
         self.world, self.rank = ctx.dp_size, ctx.dp_rank
         self.params = params
-        buffers = attach_grad_buffers(params, ctx, dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb, pad_to=self.world)
-        assert len(buffers) == 1 and buffers[0].kind == "dp"
-        self.grad_buffer: GradBuffer = buffers[0]
-        gb = self.grad_buffer
-        index = {id(p): i for i, p in enumerate(gb.params)}
-        self.layout: ShardLayout = shard_layout([(b.start, b.end, b.params) for b in gb.buckets], gb.offsets,
-                                                [p.numel() for p in gb.params], self.rank, self.world)
+        self.grad_dtype = grad_dtype
+        self.grad_buffer: GradBuffer | None = None
+        if stage == 1:  # the whole gradient buffer on every rank (Megatron's distributed optimizer)
+            buffers = attach_grad_buffers(params, ctx, dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb,
+                                          pad_to=self.world)
+            assert len(buffers) == 1 and buffers[0].kind == "dp"
+            gb = self.grad_buffer = buffers[0]
+            self.params = list(gb.params)
+            self.offsets, self.numel = list(gb.offsets), gb.numel
+            self.buckets = [(b.start, b.end, list(b.params), b.padding) for b in gb.buckets]
+        else:  # stage 2: the same layout, but only this rank's slices are ever allocated
+            cap = cap_bytes(bucket_cap_mb) if bucket_cap_mb is not None else None
+            self.offsets, self.buckets, self.numel = flat_layout([p.numel() for p in params], grad_dtype.itemsize,
+                                                                 cap, self.world)
+        device = params[0].device
+        self.layout: ShardLayout = shard_layout([(a, z, idx) for a, z, idx, _ in self.buckets], self.offsets,
+                                                [p.numel() for p in self.params], self.rank, self.world)
+        index = self._index = {id(p): i for i, p in enumerate(self.params)}
+        # This rank's gradient slices: views of the whole buffer (stage 1), or one tensor of them all (stage 2).
+        if stage == 1:
+            self._slices = [gb.data[lo:hi] for lo, hi in self.layout.shards]
+        else:
+            self.shard_grad = torch.zeros(self.layout.numel, dtype=grad_dtype, device=device)
+            self._slices, base = [], 0
+            for lo, hi in self.layout.shards:
+                self._slices.append(self.shard_grad[base:base + hi - lo])
+                base += hi - lo
+        self._piece_grads = [self._slices[pc.bucket][pc.offset - self.layout.shards[pc.bucket][0]:][:pc.numel]
+                             for pc in self.layout.pieces]
         # Masters: fp32 copies of this rank's pieces, taken before the cast (exact); fp32 needs none (see below).
         half = dtype != torch.float32
         if half:
-            masters = [gb.params[pc.param].detach().reshape(-1)[pc.start:pc.stop].clone() for pc in self.layout.pieces]
+            masters = [self.params[pc.param].detach().reshape(-1)[pc.start:pc.stop].clone()
+                       for pc in self.layout.pieces]
             model.to(dtype)
         # One flat parameter buffer with the gradient buffer's layout; the parameters become views of it.
-        self.param_data = torch.zeros(gb.numel, dtype=dtype, device=gb.device)
+        self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
         with torch.no_grad():
-            for i, p in enumerate(gb.params):
-                view = self.param_data[gb.offsets[i]:gb.offsets[i] + p.numel()]
+            for i, p in enumerate(self.params):
+                view = self.param_data[self.offsets[i]:self.offsets[i] + p.numel()]
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view(p.shape)
         if not half:  # the fp32 parameters' own slice is what the optimizer updates: no copy at all
             masters = [self.param_data[pc.offset:pc.offset + pc.numel] for pc in self.layout.pieces]
         self.masters = masters
-        self._grads_fp32 = gb.dtype == torch.float32
+        self._grads_fp32 = grad_dtype == torch.float32
         # The inner optimizer: same class, hyper-parameters and groups, over this rank's pieces.
         groups = []
         for g in optimizer.param_groups:
@@ -134,7 +171,16 @@ class ZeroOptimizer:
         accepted = inspect.signature(type(optimizer).__init__).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         self.optimizer: torch.optim.Optimizer | None = type(optimizer)(groups, **defaults) if groups else None
-        self._template_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        # Stage 2: gradients leave autograd bucket by bucket during backward (see _on_grad).
+        self._hooks: list[Any] = []
+        if stage == 2:
+            self._bucket_of = {i: b for b, (_, _, idx, _) in enumerate(self.buckets) for i in idx}
+            self._ready = [0] * len(self.buckets)
+            self._next = 0  # buckets are reduced in index order on every rank, so the collectives pair up
+            self._inflight: list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+            self._fresh = True  # the slices are zero: the first backward reduce-scatters straight into them
+            self._callback_queued = False
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     # -- the optimizer-facing attributes ----------------------------------------------------------
     @property
@@ -153,9 +199,11 @@ class ZeroOptimizer:
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def memory_owners(self) -> dict[str, list[torch.Tensor]]:
-        """What ``lslm.metrics.memory_by_owner`` cannot find by itself: nothing beyond the masters and states it
-        reads from ``param_groups``/``state`` (the parameter and gradient buffers are the model's)."""
-        return {}
+        """What ``lslm.metrics.memory_by_owner`` cannot find from the model: stage 2's gradient slices (stage 1's
+        whole buffer is every parameter's ``main_grad``); masters and states come from ``param_groups``/``state``."""
+        if self.stage == 1:
+            return {}
+        return {"gradients" if self.grad_dtype == self.dtype else "main_grads": [self.shard_grad]}
 
     # -- backward -----------------------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -167,38 +215,96 @@ class ZeroOptimizer:
         self.scale_loss(loss).backward()
 
     def zero_grad(self) -> None:
-        """Zero the whole gradient buffer (one fill)."""
-        self.grad_buffer.zero_()
+        """Zero the gradients: the whole buffer (stage 1) or this rank's slices (stage 2), one fill."""
+        if self.grad_buffer is not None:
+            self.grad_buffer.zero_()
+        else:
+            self._finish_backward()  # nothing may still be on its way into the slices
+            self.shard_grad.zero_()
+            self._fresh = True
         for p in self.params:
             p.grad = None
 
+    # -- stage 2: reduce-scatter during backward ----------------------------------------------------------
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if param.grad is None:
+            return
+        if not self._callback_queued:  # once per backward: whatever is left goes when autograd is done
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        b = self._bucket_of[self._index[id(param)]]
+        self._ready[b] += 1
+        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next][2]):
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, b: int) -> None:
+        """Copy bucket ``b``'s gradients into a staging buffer (freeing them), reduce-scatter it into the slice."""
+        while len(self._inflight) >= self.max_inflight:  # bounded staging memory: wait for the oldest bucket
+            self._settle(self._inflight.pop(0))
+        start, end, idx, _ = self.buckets[b]
+        staging = torch.zeros(end - start, dtype=self.grad_dtype, device=self.param_data.device)
+        for i in idx:
+            p = self.params[i]
+            if p.grad is not None:  # an unused parameter contributes zeros
+                staging[self.offsets[i] - start:self.offsets[i] - start + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
+        target = self._slices[b]
+        out = target if self._fresh else torch.empty_like(target)
+        work = self.ctx.comm.reduce_scatter_tensor(out, staging, group=self.group, async_op=True,
+                                                   label=REDUCE_SCATTER_LABEL)
+        self._inflight.append((work, staging, out, target))
+
+    @staticmethod
+    def _settle(entry: tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        work, _staging, out, target = entry
+        work.wait()
+        if out is not target:  # a later micro-batch: add its sum to what the slice holds
+            target.add_(out)
+
+    def _end_of_backward(self) -> None:
+        # Buckets with a parameter that got no gradient this backward go now, in order, on every rank alike.
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+            self._next += 1
+        self._finish_backward()
+
+    def _finish_backward(self) -> None:
+        while self._inflight:
+            self._settle(self._inflight.pop(0))
+        if self._next:  # a backward happened: its sums are in the slices
+            self._fresh = False
+        self._ready = [0] * len(self.buckets)
+        self._next = 0
+        self._callback_queued = False
+
     # -- the step -------------------------------------------------------------------------------------
     def _reduce_scatter(self) -> list[torch.Tensor]:
-        gb, comm = self.grad_buffer, self.ctx.comm
-        works = []
-        for b, (lo, hi) in zip(gb.buckets, self.layout.shards):
+        """This rank's gradient slices, holding the mean over ranks (unscaled): stage 1 reduce-scatters the
+        buffer now, stage 2 waits for what backward already sent."""
+        if self.grad_buffer is not None:
+            gb, comm = self.grad_buffer, self.ctx.comm
             # In place: the output is this rank's slice of the very bucket that is the input.
-            works.append(comm.reduce_scatter_tensor(gb.data[lo:hi], gb.bucket_view(b.index), group=self.group,
-                                                    async_op=True, label=REDUCE_SCATTER_LABEL))
-        for w in works:
-            w.wait()
+            works = [comm.reduce_scatter_tensor(out, gb.data[a:z], group=self.group, async_op=True,
+                                                label=REDUCE_SCATTER_LABEL)
+                     for out, (a, z, _, _) in zip(self._slices, self.buckets)]
+            for w in works:
+                w.wait()
+        else:
+            self._finish_backward()
         scale = self.world * (self.scaler.scale if self.scaler is not None else 1.0)
-        slices = [gb.data[lo:hi] for lo, hi in self.layout.shards]
-        for s in slices:
+        for s in self._slices:
             s.mul_(1.0 / scale)  # the mean over ranks, unscaled (1/scale exact for a power of two)
-        return slices
+        return self._slices
 
     def _attach_master_grads(self) -> None:
-        gb = self.grad_buffer
-        for m, pc in zip(self.masters, self.layout.pieces):
-            g = gb.data[pc.offset:pc.offset + pc.numel]
+        for m, g in zip(self.masters, self._piece_grads):
             m.grad = g if self._grads_fp32 else g.float()
 
     def _clip(self, slices: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         # Each element of the model is in exactly one rank's slice: squared norms add over the group.
         # The padding is zero (never written: reduce-scatter of zeros), so it adds nothing.
-        device = self.grad_buffer.device
-        sq = torch.zeros(1, dtype=torch.float32, device=device)
+        sq = torch.zeros(1, dtype=torch.float32, device=self.param_data.device)
         for s in slices:
             sq += s.float().pow(2).sum()
         self.ctx.comm.all_reduce(sq, group=self.group, label=NORM_LABEL)
@@ -237,13 +343,13 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def _publish(self) -> None:
-        gb, comm = self.grad_buffer, self.ctx.comm
+        comm = self.ctx.comm
         if self.dtype != torch.float32:
             for m, pc in zip(self.masters, self.layout.pieces):
                 self.param_data[pc.offset:pc.offset + pc.numel].copy_(m)  # rounds to the model's dtype
-        works = [comm.all_gather_into_tensor(self.param_data[b.start:b.end], self.param_data[lo:hi], group=self.group,
+        works = [comm.all_gather_into_tensor(self.param_data[a:z], self.param_data[lo:hi], group=self.group,
                                              async_op=True, label=GATHER_LABEL)
-                 for b, (lo, hi) in zip(gb.buckets, self.layout.shards)]
+                 for (a, z, _, _), (lo, hi) in zip(self.buckets, self.layout.shards)]
         for w in works:
             w.wait()
 
@@ -276,6 +382,6 @@ class ZeroOptimizer:
         pieces = self.layout
         return (f"ZeroOptimizer(stage={self.stage}, rank={self.rank}/{self.world}, dtype={self.dtype}, "
                 f"owns {pieces.param_numel:,} of {sum(p.numel() for p in self.params):,} parameters in "
-                f"{len(pieces.pieces)} pieces, buckets={len(self.grad_buffer.buckets)}, "
+                f"{len(pieces.pieces)} pieces, buckets={len(self.buckets)}, "
                 f"inner={type(self.optimizer).__name__ if self.optimizer is not None else None})")
 
