@@ -54,6 +54,7 @@ TORCHRUN_DDP = "torchrun --nproc-per-node 2 -m lslm.recipes.ddp --variant bucket
 TP = "python -m lslm.recipes.tp --nproc 2 --tp 2 --sequence-parallel"
 PP = "python -m lslm.recipes.pipeline --nproc 2 --pp 2 --schedule 1f1b --microbatches 4"
 PRECISION = "python -m lslm.recipes.ddp --nproc 2 --precision fp16"
+ZERO = "python -m lslm.recipes.zero --nproc 2 --stage 2"
 MULTI_NODE = (".venv/bin/python -m torch.distributed.run --nnodes=N --nproc-per-node=GPUS_PER_NODE "
               "--rdzv-backend=c10d --rdzv-endpoint=HOST_OF_NODE_0:29500 --rdzv-id=myjob "
               "-m lslm.launcher.worker --target lslm.demos.smoke:worker --args-file args.json --result-dir results/")
@@ -69,6 +70,7 @@ SMALLEST: dict[str, tuple[str | dict[str, str], str]] = {
     TP: ("--steps 2", "30 tensor-parallel steps: 2 show the launch, the layers' traffic and the result"),
     PP: ("--steps 2", "30 pipeline-parallel steps: 2 show the launch, the schedule's traffic and the result"),
     PRECISION: ("--steps 2", "30 fp16 DDP steps: 2 show the half model, the loss scale and the result"),
+    ZERO: ("--steps 2", "30 ZeRO-2 steps: 2 show the launch, the reduce-scatters and all-gathers, the result"),
     "lslm bench collectives": ("--nprocs 2 --sizes-kib 4 --repeats 1",
                                "full sweep (4 KiB-64 MiB, 2 and 4 processes) takes minutes"),
     "lslm bench launch": ("--nprocs 1 --repeats 1", "5 repeats at 2 and 4 processes take a minute"),
@@ -282,7 +284,7 @@ def test_recipes_smallest(in_tmp: Path) -> None:
     out = _run(_argv(TRAIN), in_tmp)
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(json.loads((in_tmp / "runs" / "baseline.json").read_text())["losses"]) == 2
-    for command in (DDP, TORCHRUN_DDP, TP, PP):
+    for command in (DDP, TORCHRUN_DDP, TP, PP, ZERO):
         out = _run(_argv(command), in_tmp)
         assert out.returncode == 0, f"{command}\n{out.stderr[-3000:]}"
 

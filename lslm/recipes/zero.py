@@ -1,0 +1,139 @@
+"""ZeRO data-parallel training (stages 1 and 2), the optimizer's model states partitioned over the ranks.
+
+The GPT of :mod:`lslm.recipes.train`, built from the same seed on every rank; every rank is a
+data-parallel replica (``dp`` = world size) and :class:`~lslm.zero.optimizer.ZeroOptimizer`
+keeps AdamW's states and the fp32 master weights (and, at stage 2, the gradients) only for
+this rank's slice of the model. The harness (:mod:`lslm.harness`) runs it::
+
+    torchrun --nproc-per-node=2 -m lslm.recipes.zero --stage 2 --steps 30 --out runs/zero.json
+    python -m lslm.recipes.zero --nproc 2 --stage 1 --precision bf16   # launches the processes itself
+    recipe.run(2, stage=2, steps=10)                                  # from a notebook
+
+**One step** on every rank: ``zero_grad``; forward and backward of this rank's rows (stage 2
+reduce-scatters gradient buckets during the backward); ``step``: the reduce-scatter (stage 1),
+the fp16 overflow vote, the global-norm clip over slices, AdamW on this rank's pieces, the
+all-gather of the updated parameters.
+
+**Same run as the serial baseline.** ``batch_size`` is the global batch, dealt out as the DDP
+recipe does (:class:`~lslm.data.sampler.BaselineOrderSampler`), so ``losses`` reproduce
+``lslm.recipes.train`` up to fp32 rounding.
+
+**What is counted, per step and rank** (the comm ledger): ``rs_bytes`` (gradient
+reduce-scatters), ``ag_bytes`` (parameter all-gathers), ``other_comm_bytes`` (the clip's norm,
+the overflow vote).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from lslm.data.dataset import next_token_batches, token_blocks
+from lslm.data.sampler import make_sampler
+from lslm.data_parallel.grad_sync import resolve_grad_dtype
+from lslm.harness import Built, Marks, Recipe, StepTimer, entry_points, option, recipe_main
+from lslm.harness import summarize as summarize_run
+from lslm.precision import PARAM_DTYPES
+from lslm.precision.scaler import DynamicLossScaler
+from lslm.recipes.train import TrainConfig, adamw, build_model
+from lslm.runtime.context import ParallelContext
+from lslm.runtime.startup import run_then_exit
+from lslm.zero.optimizer import GATHER_LABEL, REDUCE_SCATTER_LABEL, STAGES, ZeroOptimizer
+
+__all__ = ["RECIPE", "ZeroConfig", "build", "check_config", "compare", "main", "run", "worker"]
+
+
+@dataclass
+class ZeroConfig(TrainConfig):
+    """A :class:`~lslm.recipes.train.TrainConfig` plus the ZeRO settings; every rank is a data-parallel replica."""
+
+    device: str = option("auto", help="'auto': CUDA + NCCL with one GPU per rank, else CPU + gloo")
+    stage: int = option(1, help="ZeRO stage: 1 (optimizer states) or 2 (+ gradients)", choices=STAGES)
+    bucket_cap_mb: float = option(25.0, help="MiB per gradient bucket (one reduce-scatter and all-gather each)", gt=0)
+
+
+def check_config(cfg: ZeroConfig, world_size: int) -> int:
+    """Check that ``cfg`` runs on ``world_size`` processes; return the data-parallel size (the world size)."""
+    if cfg.batch_size % world_size:
+        raise ValueError(f"global batch_size={cfg.batch_size} is not divisible by dp={world_size} replicas; use a "
+                         f"multiple of {world_size}")
+    return world_size
+
+
+def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
+    """The ZeRO technique on this rank: the model, ZeroOptimizer over AdamW, this replica's batches, the step."""
+    dp = check_config(cfg, ctx.world_size)
+    model = build_model(cfg).to(ctx.device)
+    model.train()
+    dtype = PARAM_DTYPES[cfg.precision]
+    scaler = DynamicLossScaler(init_scale=cfg.init_scale) if cfg.precision == "fp16" else None
+    optimizer = ZeroOptimizer(model, adamw(list(model.parameters()), cfg), ctx, stage=cfg.stage, dtype=dtype,
+                              scaler=scaler, grad_dtype=resolve_grad_dtype(cfg.grad_reduce_dtype, dtype),
+                              bucket_cap_mb=cfg.bucket_cap_mb)
+    blocks = token_blocks(cfg.block_size, cfg.vocab_size)
+    sampler = make_sampler(blocks, "baseline", rank=ctx.dp_rank, world_size=dp, seed=cfg.seed)
+    loader = DataLoader(blocks, batch_size=cfg.batch_size // dp, sampler=sampler, drop_last=True)
+    if len(loader) == 0:
+        raise ValueError(f"batch_size={cfg.batch_size} exceeds the {len(blocks)} blocks available; lower it")
+    ledger = ctx.comm.ledger
+    traffic: dict[str, float] = {}
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor], timer: StepTimer) -> torch.Tensor:
+        since = len(ledger.records)
+        x, y = batch
+        optimizer.zero_grad()
+        _, loss = model(x, y)
+        timer.mark("forward_end")
+        optimizer.backward(loss)
+        timer.mark("backward_end")
+        stepped = optimizer.step(cfg.grad_clip if cfg.grad_clip > 0 else None)
+        recs = ledger.snapshot()[since:]
+        rs = sum(r.nbytes for r in recs if r.label == REDUCE_SCATTER_LABEL)
+        ag = sum(r.nbytes for r in recs if r.label == GATHER_LABEL)
+        traffic.update(rs_bytes=rs, ag_bytes=ag, other_comm_bytes=sum(r.nbytes for r in recs) - rs - ag,
+                       loss_scale=float(optimizer.loss_scale), stepped=float(stepped))
+        return loss.detach()
+
+    def per_step(m: Marks) -> dict[str, Any]:
+        return {"compute_s": m.span("start", "backward_end"), "optimizer_s": m.span("backward_end", "end"),
+                **traffic}
+
+    def log(now: dict[str, Any]) -> str:
+        return f"  reduce-scatter {now['rs_bytes']:,} B  all-gather {now['ag_bytes']:,} B"
+
+    layout = optimizer.layout
+    info = {"dp_size": dp, "stage": cfg.stage, "precision": cfg.precision, "owned_params": layout.param_numel,
+            "padded_numel": optimizer.numel, "buckets": len(optimizer.buckets),
+            "tokens_per_step": cfg.batch_size * cfg.block_size}
+    return Built(model=model, optimizer=optimizer, step=step, batches=next_token_batches(loader, ctx.device), ctx=ctx,
+                 device=ctx.device, per_step=per_step, count=(None, None), log=log, info=info,
+                 name=f"zero{cfg.stage}-dp{dp}")
+
+
+RECIPE = Recipe("lslm.recipes.zero", ZeroConfig, build, check_config,
+                "ZeRO data-parallel training, stage 1 or 2 (run under torchrun, or pass --nproc).",
+)
+
+
+worker, compare, run = entry_points(RECIPE)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Command line: under torchrun run this rank; otherwise launch ``--nproc`` ranks. Returns the records."""
+    cfg, results = recipe_main(RECIPE, argv)
+    first = results[0]
+    if first["rank"] == 0:
+        s = summarize_run(first)
+        losses = first["losses"]
+        print(f"ZeRO stage {cfg.stage} x dp={first['dp_size']} ({cfg.precision}): loss {losses[0]:.3f} -> "
+              f"{losses[-1]:.3f} over {cfg.steps} steps; rank 0 median step {s['step_ms']:.1f} ms; owns "
+              f"{first['owned_params']:,} parameters; per step {first['rs_bytes'][-1]:,} B reduce-scattered, "
+              f"{first['ag_bytes'][-1]:,} B all-gathered" + (f"; wrote {cfg.out}" if cfg.out else ""))
+    return results
+
+
+if __name__ == "__main__":
+    run_then_exit(main)  # under torchrun: skip finalization (lslm.runtime.startup.exit_process)

@@ -1,0 +1,64 @@
+"""lslm.recipes.zero: settings checked before launch, losses equal to the serial baseline, exact traffic per step.
+
+Tolerance: fp32, ``rel=RTOL = 1e-5`` on the per-step loss, as for the DDP and TP recipes (the
+gradient means are the same numbers summed in another order than in one process; AdamW carries
+the rounding into the weights). A missing average, a wrong slice or a stale all-gather moves the
+losses by far more.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lslm.recipes import zero as R
+from lslm.recipes.train import TrainConfig, train
+
+pytestmark = pytest.mark.usefixtures("lslm_cache")  # conftest.py: a per-session cache, never ~/.cache
+
+RTOL = 1e-5
+STEPS = 6
+SMALL = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=1024, block_size=64, steps=STEPS, log_every=100,
+             batch_size=8)
+RUNS = ({"stage": 1}, {"stage": 2}, {"stage": 2, "bucket_cap_mb": 0.1}, {"stage": 1, "precision": "bf16"})
+
+
+@pytest.fixture(scope="module")
+def baseline() -> list[float]:
+    """The serial run (lslm.recipes.train) on the same data, seed and optimiser."""
+    return train(TrainConfig(**SMALL))["losses"]
+
+
+def test_bad_settings_raise_before_any_process_starts() -> None:
+    with pytest.raises(ValueError, match="batch_size=6 is not divisible by dp=4"):
+        R.check_config(R.ZeroConfig(batch_size=6), 4)
+    with pytest.raises(ValueError, match="stage"):
+        R.ZeroConfig(stage=4)
+    with pytest.raises(SystemExit) as exit_info:
+        R.main(["--nproc", "2", "--stage", "7"])
+    assert exit_info.value.code == 2
+
+
+@pytest.fixture(scope="module")
+def zero2(baseline: list[float]) -> list[list[dict]]:
+    """Every run of RUNS in one 2-process launch."""
+    res = R.run(2, runs=list(RUNS), output="none", timeout=300, **SMALL)
+    return [[res[rank][i] for rank in range(2)] for i in range(len(RUNS))]
+
+
+@pytest.mark.parametrize("i", range(len(RUNS)), ids=["stage1", "stage2", "stage2-small-buckets", "stage1-bf16"])
+def test_zero_reproduces_the_serial_run(i: int, zero2: list[list[dict]], baseline: list[float]) -> None:
+    res = zero2[i]
+    assert res[0]["losses"] == res[1]["losses"]
+    if RUNS[i].get("precision") == "bf16":  # bf16 weights: the loss tracks fp32 loosely (rounding of every weight)
+        assert res[0]["losses"] == pytest.approx(baseline, rel=2e-2)
+    else:
+        assert res[0]["losses"] == pytest.approx(baseline, rel=RTOL)
+    numel = res[0]["padded_numel"]
+    for r in res:
+        assert r["dp_size"] == 2 and r["stage"] == RUNS[i]["stage"]
+        # Per step: the whole padded fp32 gradient buffer reduce-scattered and the parameter buffer all-gathered
+        # (the ledger counts the full tensor of each), the clip norm's one fp32 number besides.
+        item = 2 if RUNS[i].get("precision") == "bf16" else 4
+        assert r["rs_bytes"] == [4 * numel] * STEPS and r["ag_bytes"] == [item * numel] * STEPS
+        assert r["other_comm_bytes"] == [4] * STEPS
+    assert res[0]["owned_params"] + res[1]["owned_params"] == 235_264  # the tiny GPT: each element owned once
