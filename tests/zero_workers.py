@@ -77,18 +77,25 @@ def _reference_half(model: GPT, batches: list, world: int, dtype: torch.dtype) -
     return model
 
 
+def _full(zero: ZeroOptimizer, model: GPT) -> GPT:
+    """Stage 3's parameters gathered into a plain model (every rank takes part)."""
+    plain = GPT(model.config)
+    plain.load_state_dict(zero.full_state_dict())
+    return plain
+
+
 def _max_diff(a: nn.Module, b: nn.Module) -> float:
     return max((pa.detach().float() - pb.detach().float()).abs().max().item()
                for pa, pb in zip(a.parameters(), b.parameters()))
 
 
 def _run_zero(ctx: ParallelContext, serial: GPT, batches: list, *, stage: int = 1, dtype: torch.dtype = torch.float32,
-              bucket_cap_mb: float | None = 0.02, clip: float | None = None,
-              accum: int = 1) -> tuple[GPT, ZeroOptimizer, list[bool]]:
+              bucket_cap_mb: float | None = 0.02, clip: float | None = None, accum: int = 1,
+              reshard: bool = True) -> tuple[GPT, ZeroOptimizer, list[bool]]:
     model = copy.deepcopy(serial)
     scaler = DynamicLossScaler(init_scale=2.0 ** 10) if dtype == torch.float16 else None
     zero = ZeroOptimizer(model, _adamw(model), ctx, stage=stage, dtype=dtype, scaler=scaler,
-                         bucket_cap_mb=bucket_cap_mb)
+                         bucket_cap_mb=bucket_cap_mb, reshard_after_forward=reshard)
     stepped = []
     for x, y in batches:
         zero.zero_grad()
@@ -111,11 +118,31 @@ def suite() -> dict[str, Any]:
     # fp32, several buckets, with and without clipping, against DDP's arithmetic; stage 2 also with 2 micro-batches.
     for clip in (None, 0.05):
         ref = _reference(serial, batches, world, clip)
-        for stage in (2, 1):
+        for stage in (3, 2, 1):
             model, zero, _ = _run_zero(ctx, serial, batches, stage=stage, clip=clip)
-            out[f"stage{stage}_fp32_diff_clip{clip}"] = _max_diff(model, ref)
+            out[f"stage{stage}_fp32_diff_clip{clip}"] = _max_diff(model if stage < 3 else _full(zero, model), ref)
     model2, _, _ = _run_zero(ctx, serial, batches, stage=2, accum=2)
     out["stage2_accum2_diff"] = _max_diff(model2, _reference(serial, batches, world, None, accum=2))
+    model3, zero3, _ = _run_zero(ctx, serial, batches, stage=3, accum=2)
+    out["stage3_accum2_diff"] = _max_diff(_full(zero3, model3), _reference(serial, batches, world, None, accum=2))
+    out["stage3_units"] = len(zero3.unit_modules)
+    out["stage3_max_buckets_gathered"] = zero3.max_buckets_gathered
+    out["stage3_param_bytes"] = zero3.param_shard.numel() * 4
+    out["stage3_empty_between_steps"] = all(p.numel() == 0 for p in model3.parameters())
+    # Stage 3's traffic per step, with and without freeing each unit after its forward.
+    ledger = ctx.comm.ledger
+    for reshard in (True, False):
+        m3, z3, _ = _run_zero(ctx, serial, batches[:1], stage=3, reshard=reshard)
+        since = len(ledger.records)
+        z3.zero_grad()
+        z3.backward(m3(batches[0][0].chunk(world)[ctx.rank], batches[0][1].chunk(world)[ctx.rank])[1])
+        z3.step()
+        recs = ledger.snapshot()[since:]
+        out[f"stage3_reshard{reshard}_ag_bytes"] = sum(r.nbytes for r in recs if r.label == GATHER_LABEL)
+        out[f"stage3_reshard{reshard}_rs_bytes"] = sum(r.nbytes for r in recs if r.label == REDUCE_SCATTER_LABEL)
+        out[f"stage3_reshard{reshard}_diff"] = _max_diff(_full(z3, m3), _reference(serial, batches[:1] * 2, world,
+                                                                                    None))
+    out["stage3_bucket_numels"] = [z - a for a, z, _, _ in z3.buckets]
     out["buckets"] = len(zero.grad_buffer.buckets)
     out["padding"] = sum(b.padding for b in zero.grad_buffer.buckets)
     out["owned"] = zero.layout.param_numel
@@ -154,8 +181,10 @@ def suite() -> dict[str, Any]:
     # Half precision: bf16 and fp16 (loss scaling, vote over the group) against the same arithmetic in one
     # process (fp32 masters, fp32 main_grad), and how far either is from fp32 training.
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        model_h, zero_h, stepped = _run_zero(ctx, serial, batches, stage=2 if name == "fp16" else 1, dtype=dtype)
-        out[f"{name}_diff"] = _max_diff(model_h, _reference_half(serial, batches, world, dtype))
+        for stage in (3, 2, 1):
+            model_h, zero_h, stepped = _run_zero(ctx, serial, batches, stage=stage, dtype=dtype)
+            full = model_h if stage < 3 else _full(zero_h, model_h)
+            out[f"{name}_stage{stage}_diff"] = _max_diff(full, _reference_half(serial, batches, world, dtype))
         out[f"{name}_vs_fp32"] = _max_diff(model_h, _reference(serial, batches, world, None))
         out[f"{name}_stepped"] = stepped
         out[f"{name}_dtype"] = str(next(model_h.parameters()).dtype)

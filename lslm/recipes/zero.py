@@ -1,9 +1,10 @@
-"""ZeRO data-parallel training (stages 1 and 2), the optimizer's model states partitioned over the ranks.
+"""ZeRO data-parallel training (stages 1, 2 and 3), the model states partitioned over the ranks.
 
 The GPT of :mod:`lslm.recipes.train`, built from the same seed on every rank; every rank is a
 data-parallel replica (``dp`` = world size) and :class:`~lslm.zero.optimizer.ZeroOptimizer`
-keeps AdamW's states and the fp32 master weights (and, at stage 2, the gradients) only for
-this rank's slice of the model. The harness (:mod:`lslm.harness`) runs it::
+keeps AdamW's states and the fp32 master weights (stage 2: and the gradients; stage 3: and
+the parameters, each block gathered just before its forward and its backward) only for this
+rank's slice of the model. The harness (:mod:`lslm.harness`) runs it::
 
     torchrun --nproc-per-node=2 -m lslm.recipes.zero --stage 2 --steps 30 --out runs/zero.json
     python -m lslm.recipes.zero --nproc 2 --stage 1 --precision bf16   # launches the processes itself
@@ -51,7 +52,11 @@ class ZeroConfig(TrainConfig):
     """A :class:`~lslm.recipes.train.TrainConfig` plus the ZeRO settings; every rank is a data-parallel replica."""
 
     device: str = option("auto", help="'auto': CUDA + NCCL with one GPU per rank, else CPU + gloo")
-    stage: int = option(1, help="ZeRO stage: 1 (optimizer states) or 2 (+ gradients)", choices=STAGES)
+    stage: int = option(1, help="ZeRO stage: 1 (optimizer states), 2 (+ gradients), 3 (+ parameters)",
+                        choices=STAGES)
+    keep_gathered: bool = option(False, help="stage 3: keep each block gathered from its forward to its backward "
+                                             "(FSDP2's reshard_after_forward=False: 2 instead of 3 x the parameters "
+                                             "moved per step, more memory)")
     bucket_cap_mb: float = option(25.0, help="MiB per gradient bucket (one reduce-scatter and all-gather each)", gt=0)
 
 
@@ -72,7 +77,7 @@ def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
     scaler = DynamicLossScaler(init_scale=cfg.init_scale) if cfg.precision == "fp16" else None
     optimizer = ZeroOptimizer(model, adamw(list(model.parameters()), cfg), ctx, stage=cfg.stage, dtype=dtype,
                               scaler=scaler, grad_dtype=resolve_grad_dtype(cfg.grad_reduce_dtype, dtype),
-                              bucket_cap_mb=cfg.bucket_cap_mb)
+                              bucket_cap_mb=cfg.bucket_cap_mb, reshard_after_forward=not cfg.keep_gathered)
     blocks = token_blocks(cfg.block_size, cfg.vocab_size)
     sampler = make_sampler(blocks, "baseline", rank=ctx.dp_rank, world_size=dp, seed=cfg.seed)
     loader = DataLoader(blocks, batch_size=cfg.batch_size // dp, sampler=sampler, drop_last=True)
@@ -106,7 +111,7 @@ def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
 
     layout = optimizer.layout
     info = {"dp_size": dp, "stage": cfg.stage, "precision": cfg.precision, "owned_params": layout.param_numel,
-            "padded_numel": optimizer.numel, "buckets": len(optimizer.buckets),
+            "padded_numel": optimizer.numel, "bucket_numels": [z - a for a, z, _, _ in optimizer.buckets],
             "tokens_per_step": cfg.batch_size * cfg.block_size}
     return Built(model=model, optimizer=optimizer, step=step, batches=next_token_batches(loader, ctx.device), ctx=ctx,
                  device=ctx.device, per_step=per_step, count=(None, None), log=log, info=info,
@@ -114,7 +119,7 @@ def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
 
 
 RECIPE = Recipe("lslm.recipes.zero", ZeroConfig, build, check_config,
-                "ZeRO data-parallel training, stage 1 or 2 (run under torchrun, or pass --nproc).",
+                "ZeRO data-parallel training, stage 1, 2 or 3 (run under torchrun, or pass --nproc).",
 )
 
 

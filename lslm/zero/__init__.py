@@ -2,12 +2,12 @@
 
 * :mod:`.layout` - which slice of the padded gradient buffer each rank owns, and the pieces of
   parameters inside it (:func:`shard_layout`), FSDP2's per-parameter padding for comparison;
-* :mod:`.optimizer` - :class:`ZeroOptimizer`, stages 1 and 2: optimizer states and fp32 masters (and, stage 2,
-  gradients) partitioned; gradients reduce-scattered (stage 2: during backward) and parameters all-gathered in
-  place on bucket views.
+* :mod:`.optimizer` - :class:`ZeroOptimizer`, stages 1-3: optimizer states and fp32 masters, gradients (2) and
+  parameters (3) partitioned; gradients reduce-scattered (from stage 2: during backward), parameters all-gathered
+  in place on bucket views (stage 3: unit by unit, just in time, one unit prefetched).
 """
 
-from lslm.zero.layout import Piece, ShardLayout, fsdp_padding, shard_layout
+from lslm.zero.layout import Piece, ShardLayout, fsdp_padding, shard_layout, unit_layout
 from lslm.zero.optimizer import ZeroOptimizer
 
-__all__ = ["Piece", "ShardLayout", "ZeroOptimizer", "fsdp_padding", "shard_layout"]
+__all__ = ["Piece", "ShardLayout", "ZeroOptimizer", "fsdp_padding", "shard_layout", "unit_layout"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Piece", "ShardLayout", "fsdp_padding", "shard_layout"]
+__all__ = ["Piece", "ShardLayout", "fsdp_padding", "shard_layout", "unit_layout"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,27 @@ def shard_layout(buckets: Sequence[tuple[int, int, Sequence[int]]], offsets: Seq
             if a < z:
                 pieces.append(Piece(i, b, a - offsets[i], z - offsets[i], a))
     return ShardLayout(rank, world, tuple(shards), tuple(pieces))
+
+
+def unit_layout(groups: Sequence[Sequence[int]], numels: Sequence[int],
+                world: int) -> tuple[list[int], list[tuple[int, int, list[int], int]], int]:
+    """A flat layout with one bucket per group of parameters (ZeRO-3's units: a block, the rest of the model).
+
+    ``groups[b]``: the parameter indices of bucket ``b``, laid out in that order; each bucket is
+    padded to a multiple of ``world``. Returns ``(offsets, buckets, numel)`` in the form of
+    :func:`lslm.data_parallel.buckets.flat_layout`.
+    """
+    offsets = [0] * len(numels)
+    buckets, position = [], 0
+    for idx in groups:
+        start = position
+        for i in idx:
+            offsets[i] = position
+            position += numels[i]
+        padded = -(-(position - start) // world) * world
+        buckets.append((start, start + padded, list(idx), padded - (position - start)))
+        position = start + padded
+    return offsets, buckets, position
 
 
 def fsdp_padding(shapes: Sequence[Sequence[int]], world: int) -> int:

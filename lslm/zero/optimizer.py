@@ -1,14 +1,14 @@
-"""ZeRO stages 1 and 2: optimizer states, fp32 masters and (stage 2) gradients partitioned over the dp ranks.
+"""ZeRO stages 1-3: optimizer states, fp32 masters, gradients (2) and parameters (3) partitioned over dp ranks.
 
-Rajbhandari et al. 2020, §5.1 (P_os, stage 1) and §5.2 (P_os+g, stage 2). Every rank keeps the
-whole model, but the optimizer's part of the model states (Adam's two moments, and in
-fp16/bf16 the fp32 master weights: ZeRO's ``K = 12`` bytes per parameter) only for its own
-slice of the padded, bucketed flat layout (:mod:`lslm.zero.layout`); stage 2 also keeps only
-that slice of the gradients. Model-state bytes per rank, with ``Ψ`` parameters over ``N``
-ranks, in fp16/bf16 with the gradient in the parameters' dtype as the paper counts it
-(padding aside): stage 1 ``2Ψ + 2Ψ + 12Ψ/N``, stage 2 ``2Ψ + (2 + 12)Ψ/N``; in fp32 the
-masters are the parameters themselves (``4Ψ + 4Ψ + 8Ψ/N`` and ``4Ψ + 12Ψ/N``). The step, in
-the order Megatron-LM's distributed optimizer runs it:
+Rajbhandari et al. 2020, §5.1 (P_os, stage 1), §5.2 (P_os+g, stage 2) and §5.3 (P_os+g+p,
+stage 3). The optimizer's part of the model states (Adam's two moments, and in fp16/bf16 the
+fp32 master weights: ZeRO's ``K = 12`` bytes per parameter) exists only for this rank's slice
+of the padded, bucketed flat layout (:mod:`lslm.zero.layout`); stage 2 also keeps only that
+slice of the gradients, stage 3 only that slice of the parameters. Model-state bytes per
+rank, with ``Ψ`` parameters over ``N`` ranks, in fp16/bf16 with the gradient in the
+parameters' dtype as the paper counts it (padding aside): stage 1 ``2Ψ + 2Ψ + 12Ψ/N``,
+stage 2 ``2Ψ + (2 + 12)Ψ/N``, stage 3 ``(2 + 2 + 12)Ψ/N``; in fp32 the masters are the
+parameters themselves. The step, in the order Megatron-LM's distributed optimizer runs it:
 
 1. **reduce-scatter** each bucket over the dp group: rank ``r``'s slice ends up holding the
    sum over ranks, divided by ``N`` (and by the loss scale in fp16) to give the mean. Stage 1
@@ -28,6 +28,18 @@ the order Megatron-LM's distributed optimizer runs it:
 
 The parameters live in one flat buffer with that layout (same offsets, same padded
 buckets), so both collectives run on bucket views with no copy in or out.
+
+**Stage 3.** A bucket is a *unit* (by default each of ``model.blocks``; the parameters
+outside every unit, the embeddings and the head, form the root). Between steps each
+parameter is an empty tensor and a rank holds only its slices. A unit's bucket is
+all-gathered just before its forward (the next unit's gather is started at the same time:
+one unit of look-ahead) and freed after it; the gradient of the unit's output triggers its
+gather again before its backward (and starts the previous unit's); once the unit's
+gradients are in a staging buffer it is freed and reduce-scattered as at stage 2. The root
+stays gathered for the whole step. Per step each block moves twice in all-gathers and once in
+the reduce-scatter: the paper's ``3Ψ``. ``reshard_after_forward=False`` keeps each unit
+gathered from its forward to its backward (FSDP2's option of that name): ``2Ψ``, and the
+memory of every unit at once. No all-gather after the step: the next forward gathers.
 """
 
 from __future__ import annotations
@@ -44,7 +56,7 @@ from lslm.data_parallel.grad_buffer import GradBuffer, has_main_grad
 from lslm.data_parallel.grad_sync import attach_grad_buffers
 from lslm.precision.scaler import DynamicLossScaler
 from lslm.runtime.context import ParallelContext
-from lslm.zero.layout import ShardLayout, shard_layout
+from lslm.zero.layout import ShardLayout, shard_layout, unit_layout
 
 __all__ = ["GATHER_LABEL", "NORM_LABEL", "REDUCE_SCATTER_LABEL", "ZeroOptimizer"]
 
@@ -52,7 +64,7 @@ REDUCE_SCATTER_LABEL = "zero grads reduce-scatter"
 GATHER_LABEL = "zero params all-gather"
 NORM_LABEL = "zero grad norm"
 
-STAGES = (1, 2)
+STAGES = (1, 2, 3)
 
 
 class ZeroOptimizer:
@@ -67,9 +79,11 @@ class ZeroOptimizer:
     without a ``comm`` votes over the dp group (each rank sees only its slice).
     ``grad_dtype``: the gradient buffer's dtype (fp32 by default; the parameters' dtype
     halves its bytes and sums in 16 bits). ``bucket_cap_mb``: bucket size (``None``: one).
-    ``stage``: 1 (the whole gradient buffer, reduce-scattered at the step) or 2 (only this
+    ``stage``: 1 (the whole gradient buffer, reduce-scattered at the step), 2 (only this
     rank's gradient slices, reduce-scattered bucket by bucket during backward, at most
-    ``max_inflight`` at once).
+    ``max_inflight`` at once) or 3 (parameters too: ``units``, the modules gathered as a
+    whole, default ``model.blocks``; ``reshard_after_forward``). At stage 3 the parameters
+    are empty between steps: :meth:`full_state_dict` gathers them.
 
     Interface of :class:`~lslm.precision.master.MixedPrecisionOptimizer`: ``zero_grad()``,
     ``scale_loss(loss)``, ``backward(loss)``, ``step(max_grad_norm) -> bool`` (False when an
@@ -81,7 +95,8 @@ class ZeroOptimizer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext, *,
                  stage: int = 1, dtype: torch.dtype = torch.float32, scaler: DynamicLossScaler | None = None,
                  grad_dtype: torch.dtype = torch.float32, bucket_cap_mb: float | None = 25.0,
-                 max_inflight: int = 2) -> None:
+                 max_inflight: int = 2, units: list[nn.Module] | None = None,
+                 reshard_after_forward: bool = True) -> None:
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage {stage!r} is not implemented here; choose one of {STAGES}")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -124,11 +139,14 @@ class ZeroOptimizer:
             self.params = list(gb.params)
             self.offsets, self.numel = list(gb.offsets), gb.numel
             self.buckets = [(b.start, b.end, list(b.params), b.padding) for b in gb.buckets]
-        else:  # stage 2: the same layout, but only this rank's slices are ever allocated
+        elif stage == 2:  # the same layout, but only this rank's slices are ever allocated
             cap = cap_bytes(bucket_cap_mb) if bucket_cap_mb is not None else None
             self.offsets, self.buckets, self.numel = flat_layout([p.numel() for p in params], grad_dtype.itemsize,
                                                                  cap, self.world)
-        device = params[0].device
+        else:  # stage 3: one bucket per unit (gathered as a whole), the last unit of the forward first
+            self.unit_modules, groups = _units(model, params, units)
+            self.offsets, self.buckets, self.numel = unit_layout(groups, [p.numel() for p in params], self.world)
+        device = self.device = params[0].device
         self.layout: ShardLayout = shard_layout([(a, z, idx) for a, z, idx, _ in self.buckets], self.offsets,
                                                 [p.numel() for p in self.params], self.rank, self.world)
         index = self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -149,15 +167,32 @@ class ZeroOptimizer:
             masters = [self.params[pc.param].detach().reshape(-1)[pc.start:pc.stop].clone()
                        for pc in self.layout.pieces]
             model.to(dtype)
-        # One flat parameter buffer with the gradient buffer's layout; the parameters become views of it.
-        self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                view = self.param_data[self.offsets[i]:self.offsets[i] + p.numel()]
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view(p.shape)
+        self._shard_base = [0]
+        for lo, hi in self.layout.shards:
+            self._shard_base.append(self._shard_base[-1] + hi - lo)
+        if stage < 3:
+            # One flat parameter buffer with the gradient buffer's layout; the parameters become views of it.
+            self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
+            with torch.no_grad():
+                for i, p in enumerate(self.params):
+                    view = self.param_data[self.offsets[i]:self.offsets[i] + p.numel()]
+                    view.copy_(p.detach().reshape(-1))
+                    p.data = view.view(p.shape)
+            owned = [self.param_data[pc.offset:pc.offset + pc.numel] for pc in self.layout.pieces]
+        else:
+            # Only this rank's slices persist; every parameter is an empty tensor until its unit is gathered.
+            self.param_shard = torch.zeros(self.layout.numel, dtype=dtype, device=device)
+            owned = [self.param_shard[self._in_shard(pc.bucket, pc.offset):][:pc.numel] for pc in self.layout.pieces]
+            with torch.no_grad():
+                for view, pc in zip(owned, self.layout.pieces):
+                    view.copy_(self.params[pc.param].detach().reshape(-1)[pc.start:pc.stop])
+            self._shapes = [p.shape for p in self.params]
+            self._empty = torch.empty(0, dtype=dtype, device=device)
+            for p in self.params:
+                p.data = self._empty
         if not half:  # the fp32 parameters' own slice is what the optimizer updates: no copy at all
-            masters = [self.param_data[pc.offset:pc.offset + pc.numel] for pc in self.layout.pieces]
+            masters = owned
+        self._owned = owned
         self.masters = masters
         self._grads_fp32 = grad_dtype == torch.float32
         # The inner optimizer: same class, hyper-parameters and groups, over this rank's pieces.
@@ -171,9 +206,9 @@ class ZeroOptimizer:
         accepted = inspect.signature(type(optimizer).__init__).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         self.optimizer: torch.optim.Optimizer | None = type(optimizer)(groups, **defaults) if groups else None
-        # Stage 2: gradients leave autograd bucket by bucket during backward (see _on_grad).
+        # Stages 2-3: gradients leave autograd bucket by bucket during backward (see _on_grad).
         self._hooks: list[Any] = []
-        if stage == 2:
+        if stage >= 2:
             self._bucket_of = {i: b for b, (_, _, idx, _) in enumerate(self.buckets) for i in idx}
             self._ready = [0] * len(self.buckets)
             self._next = 0  # buckets are reduced in index order on every rank, so the collectives pair up
@@ -181,6 +216,24 @@ class ZeroOptimizer:
             self._fresh = True  # the slices are zero: the first backward reduce-scatters straight into them
             self._callback_queued = False
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        if stage == 3:
+            self.reshard_after_forward = bool(reshard_after_forward)
+            self._gathered: dict[int, torch.Tensor] = {}  # bucket -> its full parameters, while gathered
+            self._gathering: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> (work, buffer) on its way
+            self._root = len(self.buckets) - 1  # the parameters outside every unit: gathered for a whole step
+            #: The most buckets whose full parameters existed at once (gathered or on their way): memory's measure.
+            self.max_buckets_gathered = 0
+            n = len(self.unit_modules)
+            for b, module in enumerate(self.unit_modules):  # bucket b holds the (n-1-b)-th unit of the forward
+                following = b - 1 if b > 0 else None  # the next unit of the forward
+                preceding = b + 1 if b + 1 < n else None  # the unit before it: the next one backward
+                self._hooks.append(module.register_forward_pre_hook(self._pre_forward_hook(b, following)))
+                self._hooks.append(module.register_forward_hook(self._post_forward_hook(b, preceding)))
+            self._hooks.append(model.register_forward_pre_hook(lambda _m, _a: self._ensure(self._root)))
+
+    def _in_shard(self, b: int, offset: int) -> int:
+        """Where element ``offset`` of the flat layout (inside this rank's slice of bucket ``b``) sits in the shard."""
+        return self._shard_base[b] + offset - self.layout.shards[b][0]
 
     # -- the optimizer-facing attributes ----------------------------------------------------------
     @property
@@ -203,7 +256,10 @@ class ZeroOptimizer:
         whole buffer is every parameter's ``main_grad``); masters and states come from ``param_groups``/``state``."""
         if self.stage == 1:
             return {}
-        return {"gradients" if self.grad_dtype == self.dtype else "main_grads": [self.shard_grad]}
+        owned = {"gradients" if self.grad_dtype == self.dtype else "main_grads": [self.shard_grad]}
+        if self.stage == 3:  # the parameters' persistent storage is this slice; gathered units are transient
+            owned["parameters"] = [self.param_shard, *self._gathered.values()]
+        return owned
 
     # -- backward -----------------------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -243,12 +299,14 @@ class ZeroOptimizer:
         while len(self._inflight) >= self.max_inflight:  # bounded staging memory: wait for the oldest bucket
             self._settle(self._inflight.pop(0))
         start, end, idx, _ = self.buckets[b]
-        staging = torch.zeros(end - start, dtype=self.grad_dtype, device=self.param_data.device)
+        staging = torch.zeros(end - start, dtype=self.grad_dtype, device=self.device)
         for i in idx:
             p = self.params[i]
             if p.grad is not None:  # an unused parameter contributes zeros
                 staging[self.offsets[i] - start:self.offsets[i] - start + p.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
+        if self.stage == 3 and b != self._root:
+            self._release(b)  # its gradients are in the staging buffer: the unit's backward is over
         target = self._slices[b]
         out = target if self._fresh else torch.empty_like(target)
         work = self.ctx.comm.reduce_scatter_tensor(out, staging, group=self.group, async_op=True,
@@ -272,11 +330,65 @@ class ZeroOptimizer:
     def _finish_backward(self) -> None:
         while self._inflight:
             self._settle(self._inflight.pop(0))
+        if self.stage == 3 and self._next:
+            for b in list(self._gathered):  # the root, and any unit a backward never reached
+                self._release(b)
         if self._next:  # a backward happened: its sums are in the slices
             self._fresh = False
         self._ready = [0] * len(self.buckets)
         self._next = 0
         self._callback_queued = False
+
+    # -- stage 3: gather a unit's parameters just before they are used, free them right after -----------------
+    def _pre_forward_hook(self, b: int, following: int | None) -> Callable[..., None]:
+        def hook(_module: nn.Module, _args: Any) -> None:
+            self._ensure(b)
+            if following is not None:
+                self._prefetch(following)  # one unit of look-ahead: its gather overlaps this unit's forward
+        return hook
+
+    def _post_forward_hook(self, b: int, preceding: int | None) -> Callable[..., None]:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+                def pre_backward(grad: torch.Tensor) -> None:
+                    # The gradient of this unit's output exists: its backward is next, the unit before it after.
+                    self._ensure(b)
+                    if preceding is not None:
+                        self._prefetch(preceding)
+                output.register_hook(pre_backward)
+            if self.reshard_after_forward:
+                self._release(b)
+        return hook
+
+    def _prefetch(self, b: int) -> None:
+        if b in self._gathered or b in self._gathering:
+            return
+        a, z, _, _ = self.buckets[b]
+        lo, hi = self.layout.shards[b]
+        full = torch.empty(z - a, dtype=self.dtype, device=self.param_shard.device)
+        shard = self.param_shard[self._shard_base[b]:self._shard_base[b] + hi - lo]
+        work = self.ctx.comm.all_gather_into_tensor(full, shard, group=self.group, async_op=True, label=GATHER_LABEL)
+        self._gathering[b] = (work, full)
+        self.max_buckets_gathered = max(self.max_buckets_gathered, len(self._gathered) + len(self._gathering))
+
+    def _ensure(self, b: int) -> None:
+        """Bucket ``b``'s parameters hold their full values (gathered now, or a prefetch waited for)."""
+        if b in self._gathered:
+            return
+        self._prefetch(b)
+        work, full = self._gathering.pop(b)
+        work.wait()
+        a = self.buckets[b][0]
+        for i in self.buckets[b][2]:
+            self.params[i].data = full[self.offsets[i] - a:][:self._shapes[i].numel()].view(self._shapes[i])
+        self._gathered[b] = full
+
+    def _release(self, b: int) -> None:
+        """Free bucket ``b``'s full parameters (each parameter an empty tensor again)."""
+        if self._gathered.pop(b, None) is None:
+            return
+        for i in self.buckets[b][2]:
+            self.params[i].data = self._empty
 
     # -- the step -------------------------------------------------------------------------------------
     def _reduce_scatter(self) -> list[torch.Tensor]:
@@ -304,7 +416,7 @@ class ZeroOptimizer:
     def _clip(self, slices: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         # Each element of the model is in exactly one rank's slice: squared norms add over the group.
         # The padding is zero (never written: reduce-scatter of zeros), so it adds nothing.
-        sq = torch.zeros(1, dtype=torch.float32, device=self.param_data.device)
+        sq = torch.zeros(1, dtype=torch.float32, device=self.device)
         for s in slices:
             sq += s.float().pow(2).sum()
         self.ctx.comm.all_reduce(sq, group=self.group, label=NORM_LABEL)
@@ -345,13 +457,33 @@ class ZeroOptimizer:
     def _publish(self) -> None:
         comm = self.ctx.comm
         if self.dtype != torch.float32:
-            for m, pc in zip(self.masters, self.layout.pieces):
-                self.param_data[pc.offset:pc.offset + pc.numel].copy_(m)  # rounds to the model's dtype
+            for m, view in zip(self.masters, self._owned):
+                view.copy_(m)  # rounds to the model's dtype
+        if self.stage == 3:  # the next forward gathers each unit when it needs it
+            for b in list(self._gathered):
+                self._release(b)
+            return
         works = [comm.all_gather_into_tensor(self.param_data[a:z], self.param_data[lo:hi], group=self.group,
                                              async_op=True, label=GATHER_LABEL)
                  for (a, z, _, _), (lo, hi) in zip(self.buckets, self.layout.shards)]
         for w in works:
             w.wait()
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter, whole, by name (the model's dtype; clones). Collective at stage 3 (each unit
+        is gathered in turn, on every rank); stages 1-2 read the replicated parameters."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = {}
+        for b in range(len(self.buckets)):
+            gathered_here = self.stage == 3 and b not in self._gathered
+            if self.stage == 3:
+                self._ensure(b)
+            for i in self.buckets[b][2]:
+                out[names[id(self.params[i])]] = self.params[i].detach().clone()
+            if gathered_here:
+                self._release(b)
+        return out
 
     # -- checkpoints (this rank's shard) -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -385,3 +517,26 @@ class ZeroOptimizer:
                 f"{len(pieces.pieces)} pieces, buckets={len(self.buckets)}, "
                 f"inner={type(self.optimizer).__name__ if self.optimizer is not None else None})")
 
+
+def _units(model: nn.Module, params: list[nn.Parameter],
+           units: list[nn.Module] | None) -> tuple[list[nn.Module], list[list[int]]]:
+    """ZeRO-3's units in *reverse* forward order and the parameter indices of each bucket (one per unit, then the
+    root: every parameter outside the units). Default units: ``model.blocks`` if it has them."""
+    if units is None:
+        blocks = getattr(model, "blocks", None)
+        if not isinstance(blocks, nn.ModuleList):
+            raise ValueError(f"ZeRO stage 3 gathers parameters unit by unit: pass units=[...] (the modules to gather "
+                             f"as a whole, in forward order); {type(model).__name__} has no `blocks` to default to")
+        units = list(blocks)
+    index = {id(p): i for i, p in enumerate(params)}
+    seen: set[int] = set()
+    groups = []
+    for u in units:
+        idx = [index[id(p)] for p in u.parameters() if id(p) in index]
+        if seen & set(idx):
+            raise ValueError("a parameter belongs to two units (nested or tied units): give each parameter one unit")
+        seen |= set(idx)
+        groups.append(idx)
+    root = [i for i in range(len(params)) if i not in seen]
+    # Backward produces the last unit's gradients first: reverse forward order, the root (embedding: last) at the end.
+    return list(units)[::-1], groups[::-1] + [root]
