@@ -178,6 +178,24 @@ def suite() -> dict[str, Any]:
     model_z, _, _ = _run_zero(ctx, serial, batches)
     out["vs_zero_redundancy"] = _max_diff(model_z, model_t)
 
+    # torch's FSDP2 (fully_shard per block, then the root: the same units as stage 3's) on the same arithmetic.
+    from torch.distributed.fsdp import fully_shard
+
+    model_f = copy.deepcopy(serial)
+    for block in model_f.blocks:
+        fully_shard(block)
+    fully_shard(model_f)
+    opt_f = _adamw(model_f)
+    for x, y in batches:
+        opt_f.zero_grad()
+        model_f(x.chunk(world)[ctx.rank], y.chunk(world)[ctx.rank])[1].backward()
+        opt_f.step()
+    fsdp_full = GPT(serial.config)
+    fsdp_full.load_state_dict({n: p.full_tensor() for n, p in model_f.named_parameters()})
+    model_3, zero_3, _ = _run_zero(ctx, serial, batches, stage=3)
+    out["stage3_vs_fsdp2"] = _max_diff(_full(zero_3, model_3), fsdp_full)
+    torch.distributed.barrier()  # DTensor users may abort at exit without one (DESIGN §10)
+
     # Half precision: bf16 and fp16 (loss scaling, vote over the group) against the same arithmetic in one
     # process (fp32 masters, fp32 main_grad), and how far either is from fp32 training.
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
