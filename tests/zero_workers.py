@@ -19,6 +19,7 @@ from lslm.zero import ZeroOptimizer
 from lslm.zero.optimizer import GATHER_LABEL, REDUCE_SCATTER_LABEL
 
 STEPS = 3
+ROWS = 12
 # 3 layers of width 24 and a 50-token vocabulary: 24,528 parameters (24,528 % 3 = 0 but buckets are not).
 CONFIG = dict(vocab_size=50, block_size=16, n_layer=3, n_head=2, n_embd=24)
 
@@ -37,7 +38,8 @@ def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(123)
     out = []
     for _ in range(STEPS):
-        x = torch.randint(0, CONFIG["vocab_size"], (2 * world, CONFIG["block_size"] + 1), generator=g)
+        # 12 rows whatever the world size (2, 3, 4 and 6 divide it): a checkpoint continues on the same data.
+        x = torch.randint(0, CONFIG["vocab_size"], (ROWS, CONFIG["block_size"] + 1), generator=g)
         out.append((x[:, :-1], x[:, 1:]))
     return out
 
@@ -77,6 +79,31 @@ def _reference_half(model: GPT, batches: list, world: int, dtype: torch.dtype) -
     return model
 
 
+def _ddp(ctx: ParallelContext, model: GPT, batches: list, clip: float | None, accum: int = 1) -> GPT:
+    """DDP itself, on these ranks: each rank's gradient of its rows all-reduced (per micro-batch, as torch DDP does
+    outside ``no_sync``; the sums added up), divided by the world size, then clip and AdamW over every parameter."""
+    world, rank = ctx.world_size, ctx.rank
+    model = copy.deepcopy(model)
+    opt = _adamw(model)
+    for x, y in batches:
+        opt.zero_grad()
+        xr, yr = x.chunk(world)[rank], y.chunk(world)[rank]
+        total = [torch.zeros_like(p) for p in model.parameters()]
+        for xm, ym in zip(xr.chunk(accum), yr.chunk(accum)):
+            for p in model.parameters():
+                p.grad = None
+            (model(xm, ym)[1] / accum).backward()
+            for t, p in zip(total, model.parameters()):
+                torch.distributed.all_reduce(p.grad)
+                t += p.grad
+        for t, p in zip(total, model.parameters()):
+            p.grad = t / world
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return model
+
+
 def _full(zero: ZeroOptimizer, model: GPT) -> GPT:
     """Stage 3's parameters gathered into a plain model (every rank takes part)."""
     plain = GPT(model.config)
@@ -106,7 +133,95 @@ def _run_zero(ctx: ParallelContext, serial: GPT, batches: list, *, stage: int = 
     return model, zero, stepped
 
 
-def suite() -> dict[str, Any]:
+def _train(zero: ZeroOptimizer, model: GPT, batches: list, world: int, rank: int) -> None:
+    for x, y in batches:
+        zero.zero_grad()
+        zero.backward(model(x.chunk(world)[rank], y.chunk(world)[rank])[1])
+        zero.step()
+
+
+def _fresh(ctx: ParallelContext, serial: GPT, stage: int, dtype: torch.dtype = torch.float32) -> tuple[GPT, ZeroOptimizer]:
+    model = copy.deepcopy(serial)
+    scaler = DynamicLossScaler(init_scale=2.0 ** 10) if dtype == torch.float16 else None
+    return model, ZeroOptimizer(model, _adamw(model), ctx, stage=stage, dtype=dtype, scaler=scaler,
+                                bucket_cap_mb=0.02)
+
+
+def _params(zero: ZeroOptimizer, model: GPT) -> GPT:
+    return model if zero.stage < 3 else _full(zero, model)
+
+
+def checkpoints(ctx: ParallelContext, serial: GPT, batches: list, folder: str) -> dict[str, Any]:
+    """Save after 2 steps, resume in a fresh optimizer, 2 more steps: the same parameters as without the break.
+    Also: load the checkpoint another world size saved (``folder/w2``, if there), and refuse bad ones."""
+    from pathlib import Path
+
+    from lslm.zero.checkpoint import consolidate, load_zero, save_zero
+
+    world, rank = ctx.world_size, ctx.rank
+    out: dict[str, Any] = {}
+    root = Path(folder)
+    for stage, dtype in ((1, torch.float32), (2, torch.float16), (3, torch.bfloat16), (3, torch.float32)):
+        tag = f"stage{stage}-{str(dtype)[6:]}"
+        model, zero = _fresh(ctx, serial, stage, dtype)
+        _train(zero, model, batches[:2], world, rank)
+        where = save_zero(zero, root / f"w{world}" / tag / "step2", step=2, extra={"tag": tag})
+        at_save = {n: p.detach().clone() for n, p in _params(zero, model).named_parameters()}
+        _train(zero, model, batches[2:], world, rank)
+        model_b, zero_b = _fresh(ctx, serial, stage, dtype)
+        manifest = load_zero(zero_b, where)
+        _train(zero_b, model_b, batches[2:], world, rank)
+        out[f"resume_{tag}"] = _max_diff(_params(zero, model), _params(zero_b, model_b))
+        out[f"manifest_{tag}"] = {k: manifest[k] for k in ("world", "stage", "step", "extra")}
+        if stage == 1 and dtype == torch.float32 and rank == 0:
+            full = consolidate(where)  # fp32 from the files alone, no process group
+            out["consolidated_exact"] = all(torch.equal(full[n], at_save[n]) for n in at_save)
+    other = root / "w2" / "stage1-float32" / "step2"
+    if world != 2 and other.exists():  # resharding: a 2-rank checkpoint continues at this world size
+        model_r, zero_r = _fresh(ctx, serial, 1)
+        load_zero(zero_r, other)
+        # The load is exact: saved again at this size, the files hold the same parameters and Adam state.
+        again = save_zero(zero_r, root / f"w{world}" / "reloaded", step=2)
+        if rank == 0:
+            (p2, s2), (p3, s3) = consolidate(other, with_state=True), consolidate(again, with_state=True)
+            out["reshard_exact"] = all(torch.equal(p2[n], p3[n]) for n in p2) and all(
+                torch.equal(torch.as_tensor(s2[n][k]), torch.as_tensor(s3[n][k])) for n in s2 for k in s2[n])
+        # And the run goes on as DDP would from that state, on this many ranks.
+        params, state = consolidate(other, with_state=True)
+        plain = GPT(serial.config)
+        plain.load_state_dict(params)
+        opt = _adamw(plain)
+        for n, p in plain.named_parameters():
+            opt.state[p] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state[n].items()}
+        for x, y in batches[2:]:
+            opt.zero_grad()
+            plain(x.chunk(world)[rank], y.chunk(world)[rank])[1].backward()
+            for p in plain.parameters():
+                torch.distributed.all_reduce(p.grad)
+                p.grad /= world
+            opt.step()
+        _train(zero_r, model_r, batches[2:], world, rank)
+        out["reshard_2_to_here"] = _max_diff(model_r, plain)
+        model_r3, zero_r3 = _fresh(ctx, serial, 3)
+        load_zero(zero_r3, other)  # a stage-1 checkpoint into stage 3: ranges are ranges
+        _train(zero_r3, model_r3, batches[2:], world, rank)
+        out["reshard_2_stage1_to_stage3_here"] = _max_diff(_full(zero_r3, model_r3), model_r)
+    # Refusals: another model; an existing complete checkpoint is never overwritten.
+    small = GPT(GPTConfig(**{**CONFIG, "n_layer": 2}))
+    _, zero_s = _fresh(ctx, small, 1)
+    errors = {}
+    for name, fn in (("other_model", lambda: load_zero(zero_s, root / f"w{world}" / "stage1-float32" / "step2")),
+                     ("overwrite", lambda: save_zero(zero_s, root / f"w{world}" / "stage1-float32" / "step2", step=2))):
+        try:
+            fn()
+            errors[name] = ""
+        except ValueError as e:
+            errors[name] = str(e)
+    out["errors"] = errors
+    return out
+
+
+def suite(folder: str | None = None) -> dict[str, Any]:
     """Every check of one world size; rank 0's numbers (the replicas are compared by all ranks)."""
     ctx = init_distributed()
     world = ctx.world_size
@@ -117,14 +232,18 @@ def suite() -> dict[str, Any]:
 
     # fp32, several buckets, with and without clipping, against DDP's arithmetic; stage 2 also with 2 micro-batches.
     for clip in (None, 0.05):
-        ref = _reference(serial, batches, world, clip)
+        ref = _ddp(ctx, serial, batches, clip)
         for stage in (3, 2, 1):
             model, zero, _ = _run_zero(ctx, serial, batches, stage=stage, clip=clip)
             out[f"stage{stage}_fp32_diff_clip{clip}"] = _max_diff(model if stage < 3 else _full(zero, model), ref)
     model2, _, _ = _run_zero(ctx, serial, batches, stage=2, accum=2)
-    out["stage2_accum2_diff"] = _max_diff(model2, _reference(serial, batches, world, None, accum=2))
+    out["stage2_accum2_diff"] = _max_diff(model2, _ddp(ctx, serial, batches, None, accum=2))
     model3, zero3, _ = _run_zero(ctx, serial, batches, stage=3, accum=2)
-    out["stage3_accum2_diff"] = _max_diff(_full(zero3, model3), _reference(serial, batches, world, None, accum=2))
+    out["stage3_accum2_diff"] = _max_diff(_full(zero3, model3), _ddp(ctx, serial, batches, None, accum=2))
+    # The same arithmetic in one process (sum over ranks' mean losses / world): bit-equal at dp = 2, where x 1/2 is
+    # exact and a sum of two has one order; at dp = 3 autograd scales each rank's share by 1/3 before summing.
+    out["stage1_vs_one_process"] = _max_diff(_run_zero(ctx, serial, batches, stage=1)[0],
+                                             _reference(serial, batches, world, None))
     out["stage3_units"] = len(zero3.unit_modules)
     out["stage3_max_buckets_gathered"] = zero3.max_buckets_gathered
     out["stage3_param_bytes"] = zero3.param_shard.numel() * 4
@@ -140,9 +259,10 @@ def suite() -> dict[str, Any]:
         recs = ledger.snapshot()[since:]
         out[f"stage3_reshard{reshard}_ag_bytes"] = sum(r.nbytes for r in recs if r.label == GATHER_LABEL)
         out[f"stage3_reshard{reshard}_rs_bytes"] = sum(r.nbytes for r in recs if r.label == REDUCE_SCATTER_LABEL)
-        out[f"stage3_reshard{reshard}_diff"] = _max_diff(_full(z3, m3), _reference(serial, batches[:1] * 2, world,
-                                                                                    None))
+        out[f"stage3_reshard{reshard}_diff"] = _max_diff(_full(z3, m3), _ddp(ctx, serial, batches[:1] * 2, None))
     out["stage3_bucket_numels"] = [z - a for a, z, _, _ in z3.buckets]
+    if folder is not None:
+        out["checkpoints"] = checkpoints(ctx, serial, _batches(world) + _batches(world)[:1], folder)
     out["buckets"] = len(zero.grad_buffer.buckets)
     out["padding"] = sum(b.padding for b in zero.grad_buffer.buckets)
     out["owned"] = zero.layout.param_numel
