@@ -67,3 +67,24 @@ def test_zero_reproduces_the_serial_run(i: int, zero2: list[list[dict]], baselin
         assert r["rs_bytes"] == [4 * numel] * STEPS and r["ag_bytes"] == [item * gathered] * STEPS
         assert r["other_comm_bytes"] == [4] * STEPS
     assert res[0]["owned_params"] + res[1]["owned_params"] == 235_264  # the tiny GPT: each element owned once
+
+
+def test_a_killed_job_resumes_from_its_last_complete_checkpoint_at_another_size(tmp_path,
+                                                                               zero2: list[list[dict]]) -> None:
+    """Save every 2 steps, SIGKILL a rank after step 4 (0-based 3): the job fails. Resume at 3 processes from the
+    last complete checkpoint: the remaining steps' losses are the uninterrupted run's."""
+    from lslm.launcher import LaunchError
+    from lslm.zero.checkpoint import MANIFEST, latest_checkpoint
+
+    folder = tmp_path / "ckpt"
+    common = dict(SMALL, batch_size=6, stage=2, checkpoint_dir=str(folder))
+    whole = R.run(2, output="none", timeout=300, **{k: v for k, v in common.items() if k != "checkpoint_dir"})
+    with pytest.raises(LaunchError, match="SIGKILL|signal 9|killed"):
+        R.run(2, output="none", timeout=300, save_every=2, crash_at_step=4, **common)
+    assert sorted(p.name for p in folder.iterdir()) == ["step000002", "step000004"]
+    # A save cut short (no manifest) is never resumed from: the one before it is.
+    (folder / "step000004" / MANIFEST).rename(folder / "step000004" / "manifest.partial")
+    assert latest_checkpoint(folder).name == "step000002"
+    resumed = R.run(3, output="none", timeout=300, resume=True, **common)
+    assert resumed[0]["first_step"] == 2
+    assert resumed[0]["losses"] == pytest.approx(whole[0]["losses"][2:], rel=RTOL)

@@ -140,7 +140,8 @@ def _train(zero: ZeroOptimizer, model: GPT, batches: list, world: int, rank: int
         zero.step()
 
 
-def _fresh(ctx: ParallelContext, serial: GPT, stage: int, dtype: torch.dtype = torch.float32) -> tuple[GPT, ZeroOptimizer]:
+def _fresh(ctx: ParallelContext, serial: GPT, stage: int,
+           dtype: torch.dtype = torch.float32) -> tuple[GPT, ZeroOptimizer]:
     model = copy.deepcopy(serial)
     scaler = DynamicLossScaler(init_scale=2.0 ** 10) if dtype == torch.float16 else None
     return model, ZeroOptimizer(model, _adamw(model), ctx, stage=stage, dtype=dtype, scaler=scaler,

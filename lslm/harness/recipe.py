@@ -63,7 +63,9 @@ class Built:
       through their ``memory_owners()`` in the memory breakdown by owner and device;
     * ``ctx``: the context the technique built its groups in, when not the harness's own (a recipe
       whose grid differs from the launch's, e.g. the second of several runs in one job); the
-      global loss is averaged over *its* data-parallel group.
+      global loss is averaged over *its* data-parallel group;
+    * ``first_step``: where a resumed run starts (it has loaded a checkpoint of that step and
+      positioned ``batches`` there); the loop runs steps ``first_step .. cfg.steps - 1``.
     """
 
     model: nn.Module
@@ -79,6 +81,7 @@ class Built:
     owners: tuple[Any, ...] = ()
     name: str = "train"
     ctx: ParallelContext | None = None
+    first_step: int = 0
 
 
 def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None) -> dict[str, Any]:
@@ -97,7 +100,7 @@ def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None) -> di
     ledger = ctx.comm.ledger if ctx is not None else None
     timer = StepTimer(built.device)
     rec: dict[str, list[Any]] = {"local_losses": [], "step_s": []}
-    steps = range(cfg.steps)
+    steps = range(built.first_step, cfg.steps)
     bar = progress(steps, desc=built.name) if ctx is None else None
     for step in bar if bar is not None else steps:
         batch = next(built.batches)
@@ -134,6 +137,7 @@ def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None) -> di
         "memory": memory_report(built.device, built.model, built.optimizer, owners=built.owners).to_dict(),
         "threads": torch.get_num_threads(),
         "config": asdict(cfg),
+        "first_step": built.first_step,
         "device": str(built.device),
         "backend": ctx.backend if ctx is not None else None,
         **built.info,

@@ -19,6 +19,12 @@ all-gather of the updated parameters.
 recipe does (:class:`~lslm.data.sampler.BaselineOrderSampler`), so ``losses`` reproduce
 ``lslm.recipes.train`` up to fp32 rounding.
 
+**Checkpoints.** ``--checkpoint-dir D --save-every k`` writes a sharded checkpoint
+(:mod:`lslm.zero.checkpoint`) to ``D/stepNNNNNN`` every ``k`` steps; ``--resume`` loads the
+latest complete one (at any number of processes: the shards are resharded by element
+ranges), skips the batches already used and runs the remaining steps, which then equal those
+of a run without the break. ``--crash-at-step`` makes the last rank SIGKILL itself, to try it.
+
 **What is counted, per step and rank** (the comm ledger): ``rs_bytes`` (gradient
 reduce-scatters), ``ag_bytes`` (parameter all-gathers), ``other_comm_bytes`` (the clip's norm,
 the overflow vote).
@@ -26,7 +32,10 @@ the overflow vote).
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +51,7 @@ from lslm.precision.scaler import DynamicLossScaler
 from lslm.recipes.train import TrainConfig, adamw, build_model
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.startup import run_then_exit
+from lslm.zero.checkpoint import latest_checkpoint, load_zero, save_zero
 from lslm.zero.optimizer import GATHER_LABEL, REDUCE_SCATTER_LABEL, STAGES, ZeroOptimizer
 
 __all__ = ["RECIPE", "ZeroConfig", "build", "check_config", "compare", "main", "run", "worker"]
@@ -58,6 +68,17 @@ class ZeroConfig(TrainConfig):
                                              "(FSDP2's reshard_after_forward=False: 2 instead of 3 x the parameters "
                                              "moved per step, more memory)")
     bucket_cap_mb: float = option(25.0, help="MiB per gradient bucket (one reduce-scatter and all-gather each)", gt=0)
+    checkpoint_dir: str | None = option(None, help="folder of sharded checkpoints, one sub-folder per saved step")
+    save_every: int = option(0, help="save a sharded checkpoint every this many steps (0: never)", ge=0)
+    resume: bool = option(False, help="continue from the latest complete checkpoint in --checkpoint-dir, at any "
+                                      "number of processes")
+    crash_at_step: int | None = option(None, help="the last rank kills itself (SIGKILL) after this step: to watch a "
+                                                  "job die and --resume it", ge=0)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.save_every or self.resume) and not self.checkpoint_dir:
+            raise ValueError("--save-every and --resume need --checkpoint-dir (the folder of the checkpoints)")
 
 
 def check_config(cfg: ZeroConfig, world_size: int) -> int:
@@ -85,6 +106,15 @@ def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
         raise ValueError(f"batch_size={cfg.batch_size} exceeds the {len(blocks)} blocks available; lower it")
     ledger = ctx.comm.ledger
     traffic: dict[str, float] = {}
+    batches = next_token_batches(loader, ctx.device)
+    first = 0
+    if cfg.resume:
+        latest = latest_checkpoint(cfg.checkpoint_dir)
+        if latest is not None:
+            first = int(load_zero(optimizer, latest)["step"])
+            for _ in range(first):  # the data of the steps already taken: the same batches follow as without a break
+                next(batches)
+    done = [first]
 
     def step(batch: tuple[torch.Tensor, torch.Tensor], timer: StepTimer) -> torch.Tensor:
         since = len(ledger.records)
@@ -100,6 +130,11 @@ def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
         ag = sum(r.nbytes for r in recs if r.label == GATHER_LABEL)
         traffic.update(rs_bytes=rs, ag_bytes=ag, other_comm_bytes=sum(r.nbytes for r in recs) - rs - ag,
                        loss_scale=float(optimizer.loss_scale), stepped=float(stepped))
+        done[0] += 1
+        if cfg.save_every and done[0] % cfg.save_every == 0:
+            save_zero(optimizer, Path(cfg.checkpoint_dir) / f"step{done[0]:06d}", step=done[0])
+        if cfg.crash_at_step is not None and done[0] == cfg.crash_at_step + 1 and ctx.rank == ctx.world_size - 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # a node lost mid-run: no clean-up, no goodbye
         return loss.detach()
 
     def per_step(m: Marks) -> dict[str, Any]:
@@ -110,12 +145,13 @@ def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
         return f"  reduce-scatter {now['rs_bytes']:,} B  all-gather {now['ag_bytes']:,} B"
 
     layout = optimizer.layout
-    info = {"dp_size": dp, "stage": cfg.stage, "precision": cfg.precision, "owned_params": layout.param_numel,
+    info = {"num_parameters": sum(int(torch.Size(sh).numel()) for sh in optimizer.shapes), "dp_size": dp,
+            "stage": cfg.stage, "precision": cfg.precision, "owned_params": layout.param_numel,
             "padded_numel": optimizer.numel, "bucket_numels": [z - a for a, z, _, _ in optimizer.buckets],
             "tokens_per_step": cfg.batch_size * cfg.block_size}
-    return Built(model=model, optimizer=optimizer, step=step, batches=next_token_batches(loader, ctx.device), ctx=ctx,
-                 device=ctx.device, per_step=per_step, count=(None, None), log=log, info=info,
-                 name=f"zero{cfg.stage}-dp{dp}")
+    return Built(model=model, optimizer=optimizer, step=step, batches=batches, ctx=ctx, device=ctx.device,
+                 per_step=per_step, count=(None, None), log=log, info=info, name=f"zero{cfg.stage}-dp{dp}",
+                 first_step=first)
 
 
 RECIPE = Recipe("lslm.recipes.zero", ZeroConfig, build, check_config,

@@ -34,7 +34,8 @@ import torch
 from lslm.runtime.files import atomic_write_bytes
 from lslm.zero.optimizer import ZeroOptimizer
 
-__all__ = ["FORMAT", "MANIFEST", "consolidate", "load_zero", "read_manifest", "save_zero", "shard_name"]
+__all__ = ["FORMAT", "MANIFEST", "consolidate", "latest_checkpoint", "load_zero", "read_manifest", "save_zero",
+           "shard_name"]
 
 FORMAT = "lslm-zero/1"
 MANIFEST = "manifest.json"
@@ -51,9 +52,7 @@ def _names(zero: ZeroOptimizer) -> list[str]:
 
 
 def _shapes(zero: ZeroOptimizer) -> list[list[int]]:
-    if zero.stage == 3:
-        return [list(s) for s in zero._shapes]
-    return [list(p.shape) for p in zero.params]
+    return [list(s) for s in zero.shapes]
 
 
 def _piece_states(zero: ZeroOptimizer) -> list[dict[str, Any]]:
@@ -121,6 +120,23 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{path} is format {manifest.get('format')!r}, expected {FORMAT!r}")
     return manifest
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint (a sub-folder with a manifest) of the highest step under ``root``; ``None`` if none.
+
+    Folders without a manifest (a save cut short) are skipped, so the previous checkpoint is the one resumed.
+    """
+    best: tuple[int, Path] | None = None
+    for folder in Path(root).glob("*") if Path(root).is_dir() else ():
+        if (folder / MANIFEST).is_file():
+            try:
+                step = int(read_manifest(folder)["step"])
+            except (ValueError, KeyError, json.JSONDecodeError):
+                continue
+            if best is None or step > best[0]:
+                best = (step, folder)
+    return best[1] if best is not None else None
 
 
 def _read_shard(folder: Path, record: Mapping[str, Any]) -> dict[str, Any]:

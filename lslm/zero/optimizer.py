@@ -150,6 +150,8 @@ class ZeroOptimizer:
         self.layout: ShardLayout = shard_layout([(a, z, idx) for a, z, idx, _ in self.buckets], self.offsets,
                                                 [p.numel() for p in self.params], self.rank, self.world)
         index = self._index = {id(p): i for i, p in enumerate(self.params)}
+        #: Each parameter's shape (at stage 3 the parameters themselves are empty between steps).
+        self.shapes = [p.shape for p in self.params]
         # This rank's gradient slices: views of the whole buffer (stage 1), or one tensor of them all (stage 2).
         if stage == 1:
             self._slices = [gb.data[lo:hi] for lo, hi in self.layout.shards]
@@ -186,7 +188,6 @@ class ZeroOptimizer:
             with torch.no_grad():
                 for view, pc in zip(owned, self.layout.pieces):
                     view.copy_(self.params[pc.param].detach().reshape(-1)[pc.start:pc.stop])
-            self._shapes = [p.shape for p in self.params]
             self._empty = torch.empty(0, dtype=dtype, device=device)
             for p in self.params:
                 p.data = self._empty
@@ -380,7 +381,7 @@ class ZeroOptimizer:
         work.wait()
         a = self.buckets[b][0]
         for i in self.buckets[b][2]:
-            self.params[i].data = full[self.offsets[i] - a:][:self._shapes[i].numel()].view(self._shapes[i])
+            self.params[i].data = full[self.offsets[i] - a:][:self.shapes[i].numel()].view(self.shapes[i])
         self._gathered[b] = full
 
     def _release(self, b: int) -> None:
