@@ -188,3 +188,14 @@ def test_broken_checkpoints_are_refused_naming_the_file(suites: dict, tmp_path_f
     (folder / MANIFEST).unlink()  # a save that died before its manifest
     with pytest.raises(ValueError, match="not a complete lslm ZeRO checkpoint"):
         consolidate(folder)
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_cpu_offload_steps_on_the_host_with_the_same_arithmetic(nproc: int, suites: dict) -> None:
+    r = suites[nproc]
+    for tag, item in (("stage1-float32", 4), ("stage2-bfloat16", 2), ("stage3-float32", 4)):
+        assert r[f"offload_{tag}_diff"] == 0.0, tag  # the same fp32 operations on the same values
+        owned = r[f"offload_{tag}_owned"]
+        # Per step: this rank's gradient slice down in fp32, its updated weights up in the model's dtype.
+        assert r[f"offload_{tag}_bytes"] == {"to_host": 4 * owned, "to_device": item * owned}
+        assert r[f"offload_{tag}_states_on"] == ["cpu"]

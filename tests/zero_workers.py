@@ -118,11 +118,11 @@ def _max_diff(a: nn.Module, b: nn.Module) -> float:
 
 def _run_zero(ctx: ParallelContext, serial: GPT, batches: list, *, stage: int = 1, dtype: torch.dtype = torch.float32,
               bucket_cap_mb: float | None = 0.02, clip: float | None = None, accum: int = 1,
-              reshard: bool = True) -> tuple[GPT, ZeroOptimizer, list[bool]]:
+              reshard: bool = True, offload: str | None = None) -> tuple[GPT, ZeroOptimizer, list[bool]]:
     model = copy.deepcopy(serial)
     scaler = DynamicLossScaler(init_scale=2.0 ** 10) if dtype == torch.float16 else None
     zero = ZeroOptimizer(model, _adamw(model), ctx, stage=stage, dtype=dtype, scaler=scaler,
-                         bucket_cap_mb=bucket_cap_mb, reshard_after_forward=reshard)
+                         bucket_cap_mb=bucket_cap_mb, reshard_after_forward=reshard, offload=offload)
     stepped = []
     for x, y in batches:
         zero.zero_grad()
@@ -262,6 +262,16 @@ def suite(folder: str | None = None) -> dict[str, Any]:
         out[f"stage3_reshard{reshard}_rs_bytes"] = sum(r.nbytes for r in recs if r.label == REDUCE_SCATTER_LABEL)
         out[f"stage3_reshard{reshard}_diff"] = _max_diff(_full(z3, m3), _ddp(ctx, serial, batches[:1] * 2, None))
     out["stage3_bucket_numels"] = [z - a for a, z, _, _ in z3.buckets]
+    # ZeRO-Offload: the same arithmetic with the states and the step on the host, the bytes moved counted.
+    for stage, dtype in ((1, torch.float32), (2, torch.bfloat16), (3, torch.float32)):
+        tag = f"stage{stage}-{str(dtype)[6:]}"
+        plain, zp, _ = _run_zero(ctx, serial, batches, stage=stage, dtype=dtype)
+        off, zo, _ = _run_zero(ctx, serial, batches, stage=stage, dtype=dtype, offload="cpu", clip=None)
+        out[f"offload_{tag}_diff"] = _max_diff(_params(zp, plain), _params(zo, off))
+        out[f"offload_{tag}_bytes"] = dict(zo.offload_bytes)
+        out[f"offload_{tag}_owned"] = zo.layout.param_numel
+        out[f"offload_{tag}_states_on"] = sorted({t.device.type for st in zo.state.values() for t in st.values()
+                                                  if isinstance(t, torch.Tensor)} | {m.device.type for m in zo.masters})
     if folder is not None:
         out["checkpoints"] = checkpoints(ctx, serial, _batches(world) + _batches(world)[:1], folder)
     out["buckets"] = len(zero.grad_buffer.buckets)

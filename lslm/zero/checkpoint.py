@@ -195,7 +195,7 @@ def load_zero(zero: ZeroOptimizer, folder: str | Path) -> dict[str, Any]:
                 for key, value in piece["state"].items():
                     if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == piece["stop"] - \
                             piece["start"]:
-                        states[k].setdefault(key, torch.zeros(b - s, dtype=value.dtype, device=zero.device))
+                        states[k].setdefault(key, torch.zeros(b - s, dtype=value.dtype, device=zero.masters[k].device))
                         states[k][key][dst].copy_(value[src])
                     else:
                         shard_scalars[key] = value  # step counts: the same for every piece

@@ -58,13 +58,15 @@ from lslm.precision.scaler import DynamicLossScaler
 from lslm.runtime.context import ParallelContext
 from lslm.zero.layout import ShardLayout, shard_layout, unit_layout
 
-__all__ = ["GATHER_LABEL", "NORM_LABEL", "REDUCE_SCATTER_LABEL", "ZeroOptimizer"]
+__all__ = ["GATHER_LABEL", "NORM_LABEL", "OFFLOADS", "REDUCE_SCATTER_LABEL", "STAGES", "ZeroOptimizer"]
 
 REDUCE_SCATTER_LABEL = "zero grads reduce-scatter"
 GATHER_LABEL = "zero params all-gather"
 NORM_LABEL = "zero grad norm"
 
 STAGES = (1, 2, 3)
+#: Where the optimizer's states may live: with the parameters (``None``) or in host memory (``"cpu"``).
+OFFLOADS = (None, "cpu")
 
 
 class ZeroOptimizer:
@@ -83,7 +85,12 @@ class ZeroOptimizer:
     rank's gradient slices, reduce-scattered bucket by bucket during backward, at most
     ``max_inflight`` at once) or 3 (parameters too: ``units``, the modules gathered as a
     whole, default ``model.blocks``; ``reshard_after_forward``). At stage 3 the parameters
-    are empty between steps: :meth:`full_state_dict` gathers them.
+    are empty between steps: :meth:`full_state_dict` gathers them. ``offload="cpu"``
+    (ZeRO-Offload, Ren et al. 2021): fp32 masters, optimizer states and the step live on the
+    host; each step brings this rank's gradient slice down (fp32) and sends the updated weights
+    up (in the model's dtype), counted in :attr:`offload_bytes`. On a CPU-only machine host and
+    device are one memory: the same code runs and the copies are real, but no bus is crossed,
+    so what it measures is the copies' cost and the bytes, not a PCIe transfer.
 
     Interface of :class:`~lslm.precision.master.MixedPrecisionOptimizer`: ``zero_grad()``,
     ``scale_loss(loss)``, ``backward(loss)``, ``step(max_grad_norm) -> bool`` (False when an
@@ -96,7 +103,7 @@ class ZeroOptimizer:
                  stage: int = 1, dtype: torch.dtype = torch.float32, scaler: DynamicLossScaler | None = None,
                  grad_dtype: torch.dtype = torch.float32, bucket_cap_mb: float | None = 25.0,
                  max_inflight: int = 2, units: list[nn.Module] | None = None,
-                 reshard_after_forward: bool = True) -> None:
+                 reshard_after_forward: bool = True, offload: str | None = None) -> None:
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage {stage!r} is not implemented here; choose one of {STAGES}")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -119,6 +126,8 @@ class ZeroOptimizer:
         if any(has_main_grad(p) for p in params):
             raise ValueError("the model already has gradient buffers: ZeroOptimizer attaches its own, padded to the "
                              "data-parallel size")
+        if offload not in OFFLOADS:
+            raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
             raise ValueError(f"max_inflight must be an int >= 1 (buckets reduced at once), got {max_inflight!r}")
         self.model, self.ctx, self.stage, self.dtype, self.scaler = model, ctx, stage, dtype, scaler
@@ -165,10 +174,15 @@ class ZeroOptimizer:
                              for pc in self.layout.pieces]
         # Masters: fp32 copies of this rank's pieces, taken before the cast (exact); fp32 needs none (see below).
         half = dtype != torch.float32
-        if half:
-            masters = [self.params[pc.param].detach().reshape(-1)[pc.start:pc.stop].clone()
+        self.offload = offload
+        self.host = torch.device("cpu")
+        #: Bytes the last step moved between device and host with ``offload="cpu"`` (gradients down, weights up).
+        self.offload_bytes = {"to_host": 0, "to_device": 0}
+        if half or offload:
+            masters = [self._on_host(self.params[pc.param].detach().reshape(-1)[pc.start:pc.stop].clone())
                        for pc in self.layout.pieces]
-            model.to(dtype)
+            if half:
+                model.to(dtype)
         self._shard_base = [0]
         for lo, hi in self.layout.shards:
             self._shard_base.append(self._shard_base[-1] + hi - lo)
@@ -191,8 +205,11 @@ class ZeroOptimizer:
             self._empty = torch.empty(0, dtype=dtype, device=device)
             for p in self.params:
                 p.data = self._empty
-        if not half:  # the fp32 parameters' own slice is what the optimizer updates: no copy at all
+        if not half and not offload:  # the fp32 parameters' own slice is what the optimizer updates: no copy at all
             masters = owned
+        # ZeRO-Offload: the gradient slices come down into these host buffers for the step on the host.
+        self._host_grads = [self._on_host(torch.empty(pc.numel, dtype=torch.float32)) for pc in self.layout.pieces] \
+            if offload else []
         self._owned = owned
         self.masters = masters
         self._grads_fp32 = grad_dtype == torch.float32
@@ -231,6 +248,14 @@ class ZeroOptimizer:
                 self._hooks.append(module.register_forward_pre_hook(self._pre_forward_hook(b, following)))
                 self._hooks.append(module.register_forward_hook(self._post_forward_hook(b, preceding)))
             self._hooks.append(model.register_forward_pre_hook(lambda _m, _a: self._ensure(self._root)))
+
+    def _on_host(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` where the offloaded states live: the host's memory, page-locked when the device is a GPU (so the
+        copies can run asynchronously); on a CPU-only machine host and device are the same memory."""
+        if not self.offload:
+            return t
+        t = t.to(self.host)
+        return t.pin_memory() if self.device.type == "cuda" else t
 
     def _in_shard(self, b: int, offset: int) -> int:
         """Where element ``offset`` of the flat layout (inside this rank's slice of bucket ``b``) sits in the shard."""
@@ -411,6 +436,13 @@ class ZeroOptimizer:
         return self._slices
 
     def _attach_master_grads(self) -> None:
+        if self.offload:  # gradients down: this rank's slice only, fp32, into the host buffers
+            nonblocking = self.device.type == "cuda"
+            for m, g, host in zip(self.masters, self._piece_grads, self._host_grads):
+                host.copy_(g, non_blocking=nonblocking)
+                m.grad = host
+            self.offload_bytes["to_host"] = sum(h.numel() * 4 for h in self._host_grads)
+            return
         for m, g in zip(self.masters, self._piece_grads):
             m.grad = g if self._grads_fp32 else g.float()
 
@@ -457,9 +489,11 @@ class ZeroOptimizer:
     @torch.no_grad()
     def _publish(self) -> None:
         comm = self.ctx.comm
-        if self.dtype != torch.float32:
+        if self.dtype != torch.float32 or self.offload:
             for m, view in zip(self.masters, self._owned):
-                view.copy_(m)  # rounds to the model's dtype
+                view.copy_(m)  # rounds to the model's dtype (and, offloaded, goes up from the host)
+            if self.offload:
+                self.offload_bytes["to_device"] = sum(v.numel() * v.element_size() for v in self._owned)
         if self.stage == 3:  # the next forward gathers each unit when it needs it
             for b in list(self._gathered):
                 self._release(b)
