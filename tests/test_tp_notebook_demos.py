@@ -42,6 +42,7 @@ def test_tp_time_model_counts_the_step_collectives_and_prices_them_with_the_fit(
         [("all_reduce", bsh, 2)] * (4 * spec["n_layer"] + 2) + [("all_reduce", batch * seq * 4, 2),
                                                                ("all_reduce", 2 * batch * seq * 4, 2)])
     assert sum(label.startswith("blocks.") for *_, label in measured["records"]) == 4 * spec["n_layer"]
+    assert {"step_s", "comm_s"} <= set(measured)  # times: present, never compared
 
     compute = run_workers("lslm.demos.tp_time_model:compute_worker", 1, timeout=240, ranks=2, models=[spec],
                           batch=batch, seq=seq, steps=1, warmup=0)[0]["models"][0]

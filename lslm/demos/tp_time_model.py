@@ -112,7 +112,11 @@ def compute_worker(ranks: int, models: list[dict[str, Any]], batch: int, seq: in
 
 def tp_worker(models: list[dict[str, Any]], batch: int, seq: int, steps: int = 10, warmup: int = 2,
               threads: int = 1) -> dict[str, Any]:
-    """Per model: the measured step (forward + backward, slowest rank, median) and one step's collectives."""
+    """Per model: the measured step (forward + backward, slowest rank, median) and one step's collectives.
+
+    ``comm_s``: the time the slowest rank spent inside collectives per step (the ledger's issue-to-completion
+    times, median), to tell which half of the prediction missed.
+    """
     import os
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -122,20 +126,25 @@ def tp_worker(models: list[dict[str, Any]], batch: int, seq: int, steps: int = 1
         for spec in models:
             cfg = GPTConfig(**spec)
             model, data = _model(cfg, ctx), _data(cfg, batch, seq, warmup + steps, ctx.device)
-            samples, records = [], []
+            samples, in_comm, records = [], [], []
             for i, xy in enumerate(data):
                 dist.barrier(group=ctx.tp_group)
                 first = len(ctx.comm.ledger.records)
                 start = time.perf_counter()
-                _step(model, ctx, cfg, xy)
-                took = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=ctx.device)
-                dist.all_reduce(took, op=dist.ReduceOp.MAX, group=ctx.tp_group)  # the slowest rank's time
+                with ctx.comm.ledger.timed():  # completion times: how long each collective held this rank
+                    _step(model, ctx, cfg, xy)
+                step_s = time.perf_counter() - start
+                comm_s = sum(r.duration_s or 0.0 for r in ctx.comm.ledger.records[first:])
+                took = torch.tensor([step_s, comm_s], dtype=torch.float64, device=ctx.device)
+                dist.all_reduce(took, op=dist.ReduceOp.MAX, group=ctx.tp_group)  # the slowest rank's times
                 if i >= warmup:
-                    samples.append(took.item())
+                    samples.append(took[0].item())
+                    in_comm.append(took[1].item())
                 if i == 0:
                     records = [[r.op, r.nbytes, r.group_size, r.label] for r in ctx.comm.ledger.records[first:]]
                 ctx.comm.ledger.reset()
-            out.append({"model": spec, "step_s": statistics.median(samples), "records": records})
+            out.append({"model": spec, "step_s": statistics.median(samples), "comm_s": statistics.median(in_comm),
+                        "records": records})
         return {"rank": ctx.rank, "tp": ctx.tp_size, "models": out}
 
 
@@ -168,4 +177,4 @@ def predict(compute: dict[str, Any], measured: dict[str, Any], fit: dict[str, fl
     return {"per_layer_compute_s": compute["per_layer_s"], "per_layer_comm_s": cost["layer"] / n_layer,
             "rest_compute_s": compute["rest_s"], "rest_comm_s": cost["rest"], "predicted_s": predicted,
             "measured_s": measured["step_s"], "error": predicted / measured["step_s"] - 1,
-            "collectives": len(measured["records"])}
+            "collectives": len(measured["records"]), "measured_comm_s": measured.get("comm_s")}
