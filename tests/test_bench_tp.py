@@ -33,6 +33,21 @@ def test_bench_tp_quick_writes_table_json_png_and_the_ratio_line(tmp_path: Path,
     assert {k: r["collectives_per_step"] for k, r in rows.items()} == {
         ("lslm", False): 12, ("dtensor", False): 13, ("lslm", True): 28, ("dtensor", True): 34}
 
+    # Bus bytes (what a rank sends), exactly. bsh: one (B, T, C) fp32 activation; at t = 2 an all-reduce sends
+    # its whole buffer, an all-gather or a reduce-scatter half of it.
+    L, C, T, B = m_layers(res), res["model"]["n_embd"], res["seq"], res["batch"]
+    bsh, loss = B * T * C * 4, 3 * B * T * 4  # the loss: a max, then target logits and sums of exponentials
+    plain = (4 * L + 2) * bsh + loss  # 4 all-reduces per layer, the embedding's and the head's input gradient
+    assert rows[("lslm", False)]["comm_bus_bytes_per_step"] == plain == rows[("lslm", False)]["comm_bytes_per_step"]
+    assert rows[("dtensor", False)]["comm_bus_bytes_per_step"] == plain  # the loss's 3 all-reduces: same bytes
+    # SP: per layer 4 all-gathers + 4 reduce-scatters + 2 re-gathers, each bsh/2 on the wire (1.25x the 4
+    # all-reduces); the embedding's reduce-scatter and all-gather, the head's all-gather, reduce-scatter and
+    # re-gather; the loss; one flat all-reduce of the replicated gradients (LayerNorms 2C each, 2L + 1 of them,
+    # the row-parallel biases 2L x C, the position table block_size x C).
+    synced = 4 * (2 * (2 * L + 1) * C + 2 * L * C + res["model"]["block_size"] * C)
+    assert rows[("lslm", True)]["comm_bus_bytes_per_step"] == (10 * L + 5) * bsh / 2 + loss + synced
+    assert rows[("lslm", True)]["comm_bytes_per_step"] == (10 * L + 5) * bsh + loss + synced
+
     # Parameters: the same shards. Gradients and momentum: DTensor's wte gradient is the whole
     # (V, C) table on every rank, so it holds V*C*(t-1)/t more fp32 numbers in each.
     m = res["model"]
@@ -42,6 +57,25 @@ def test_bench_tp_quick_writes_table_json_png_and_the_ratio_line(tmp_path: Path,
         assert ours["params_bytes"] == theirs["params_bytes"] == ours["grads_bytes"]
         assert theirs["grads_bytes"] == ours["grads_bytes"] + extra
         assert theirs["optimizer_bytes"] == ours["optimizer_bytes"] + extra
+
+
+def m_layers(res: dict) -> int:
+    """The benchmarked GPT's number of layers."""
+    return res["model"]["n_layer"]
+
+
+def test_bench_tp_table_reads_a_result_without_bus_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    # Results written before the bus-bytes field: the table prints n/a there instead of failing.
+    row = {"variant": "lslm", "sequence_parallel": False, "step_ms": 2.0, "forward_ms": 1.0, "backward_ms": 1.0,
+           "optimizer_ms": 0.0, "params_bytes": 0, "grads_bytes": 0, "optimizer_bytes": 0, "activation_bytes": 0,
+           "collectives_per_step": 1, "comm_bytes_per_step": 1024 * 1024, "max_loss_diff_vs_other": 0.0}
+    old = {"model": {"n_layer": 1, "n_embd": 8, "n_head": 2, "vocab_size": 16}, "backend": "gloo", "threads": 1,
+           "num_parameters": 1, "batch": 1, "seq": 2, "steps": 1, "process_peak_rss_bytes": 0,
+           "rows": [row, {**row, "variant": "dtensor"}]}
+    tp.print_table({2: old})
+    out = capsys.readouterr().out
+    assert "    1.00     n/a" in out and "n/a: not in this older result" in out
+    assert tp.bus_mib(row) is None and tp.bus_mib({**row, "comm_bus_bytes_per_step": 2 * 1024 * 1024}) == 2.0
 
 
 def test_bench_tp_refuses_sizes_that_do_not_split_before_any_launch() -> None:

@@ -16,8 +16,10 @@ parameters). DTensor's deferred all-reduces of LayerNorm gradients (SP) fall in 
 Per entry and rank, also: bytes of parameters, gradients, optimizer state (local shards;
 DTensor's ``wte`` gradient and momentum are whole ``V x C`` tensors on every rank), bytes
 saved for backward (:class:`~lslm.metrics.activations.ActivationMemory`), peak allocated on
-CUDA, one step's collectives and bytes (lslm's ledger; ``CommDebugMode`` counted the
-ledger's way), and the largest loss difference between the two (rounding). Peak RSS holds
+CUDA, one step's collectives, their buffer bytes (lslm's ledger; ``CommDebugMode`` counted the
+ledger's way) and bus bytes (what each rank sends: buffer bytes times 2(t-1)/t per all-reduce, (t-1)/t per
+all-gather or reduce-scatter, the nccl-tests convention, :func:`lslm.runtime.records.bus_factor`), and the
+largest loss difference between the two (rounding). Peak RSS holds
 every model of the job: reported once. The last line is the lslm / DTensor step-time ratio.
 """
 
@@ -33,7 +35,7 @@ from lslm.bench.checks import at_least, world_sizes
 from lslm.bench.devices import device_env
 from lslm.harness import Report, StepTimer, Variant, run_variants
 
-__all__ = ["BENCH_MODEL", "QUICK_MODEL", "plot", "print_table", "ratio", "run", "worker"]
+__all__ = ["BENCH_MODEL", "QUICK_MODEL", "bus_mib", "plot", "print_table", "ratio", "run", "worker"]
 
 #: 4 layers of width 256, 8 heads (divisible by tp = 2, 4, 8), vocabulary 1024: 3.7 M parameters.
 #: 2 x 64 tokens: ~2.8 GFLOP per step in all, tens of ms per rank on one CPU core at tp = 2.
@@ -120,19 +122,26 @@ def _memory(net: Any, opt: Any, step: Any, x: torch.Tensor, y: torch.Tensor, dev
 
 
 def _comm(kind: str, net: Any, opt: Any, step: Any, x: torch.Tensor, y: torch.Tensor, dev: torch.device,
-          ctx: Any) -> tuple[int, int]:
-    """(collective calls, bytes) of one step: lslm's ledger, or CommDebugMode for DTensor."""
+          ctx: Any) -> tuple[int, int, float]:
+    """(collective calls, buffer bytes, bus bytes) of one step: lslm's ledger, or CommDebugMode for DTensor.
+
+    Buffer bytes make an all-gather plus a reduce-scatter look twice an all-reduce of the same tensor; bus
+    bytes (what a rank sends) count them equal, which is what the wire sees.
+    """
+    from lslm.runtime.records import bus_factor
     from lslm.tensor_parallel.dtensor_reference import dtensor_comm_counts
 
     if kind == "lslm":
         start = len(ctx.comm.ledger.records)
         step(_started(dev), x, y)
         recs = ctx.comm.ledger.records[start:]
-        return len(recs), sum(r.nbytes for r in recs)
+        return len(recs), sum(r.nbytes for r in recs), sum(r.bus_bytes for r in recs)
     opt.zero_grad(set_to_none=True)
     found = dtensor_comm_counts(net, x, y, optimizer=opt)
-    sizes = [n for phases in found["elements"].values() for ops in phases.values() for per in ops.values() for n in per]
-    return len(sizes), 4 * sum(sizes)  # fp32
+    sized = [(op, n) for phases in found["elements"].values() for ops in phases.values()
+             for op, per in ops.items() for n in per]
+    # fp32 elements; every DTensor collective here runs over the whole tp group
+    return len(sized), 4 * sum(n for _, n in sized), sum(4 * n * bus_factor(op, ctx.tp_size) for op, n in sized)
 
 
 def _whole_model_params(cfg: Any) -> int:
@@ -178,13 +187,14 @@ def worker(model: dict[str, Any], batch: int, seq: int, sequence_parallel: bool 
         x, y = data[0][:, :-1], data[0][:, 1:]
         rows = []
         for (kind, sp, net, opt, step), (name, t) in zip(built, timings.items()):
-            calls, nbytes = _comm(kind, net, opt, step, x, y, dev, ctx)
+            calls, nbytes, bus = _comm(kind, net, opt, step, x, y, dev, ctx)
             twin = f"{'dtensor' if kind == 'lslm' else 'lslm'} sp={'on' if sp else 'off'}"
             rows.append({"variant": kind, "sequence_parallel": sp, "step_ms": t.median() * 1e3,
                          **{f"{p}_ms": t.median(p) * 1e3 for p in PHASES},
                          "step_ms_all": [s * 1e3 for s in t.total_s], "losses": losses[name],
                          "max_loss_diff_vs_other": max(abs(a - b) for a, b in zip(losses[name], losses[twin])),
                          "collectives_per_step": calls, "comm_bytes_per_step": nbytes,
+                         "comm_bus_bytes_per_step": bus,
                          **_memory(net, opt, step, x, y, dev)})
         result = {"tp": ctx.tp_size, "model": model, "batch": batch, "seq": seq, "steps": steps, "warmup": warmup,
                   "threads": torch.get_num_threads(), "backend": ctx.backend, "device": str(dev),
@@ -201,6 +211,17 @@ def ratio(result: dict[str, Any], sp: bool = False) -> float:
     return _row(result, "lslm", sp)["step_ms"] / _row(result, "dtensor", sp)["step_ms"]
 
 
+def bus_mib(row: dict[str, Any]) -> float | None:
+    """One step's bus MiB of a result row; ``None`` for a result written before the field existed."""
+    bus = row.get("comm_bus_bytes_per_step")
+    return None if bus is None else bus / MIB
+
+
+def _bus_mib(row: dict[str, Any]) -> str:
+    mib = bus_mib(row)
+    return "n/a" if mib is None else f"{mib:.2f}"
+
+
 def print_table(results: dict[int, dict[str, Any]], report: Report | None = None) -> None:
     """One table per world size: times (ms, medians), memory per rank (MiB) and communication per step."""
     out = report.print if report is not None else print
@@ -210,17 +231,21 @@ def print_table(results: dict[int, dict[str, Any]], report: Report | None = None
             f"({m['n_layer']} layers, width {m['n_embd']}, {m['n_head']} heads, vocab {m['vocab_size']}), batch "
             f"{res['batch']} x {res['seq']} tokens, medians of {res['steps']} steps ==")
         out(f"{'variant':<8} {'SP':<3} {'step ms':>8} {'fwd':>7} {'bwd':>7} {'optim':>6} {'vs DT':>6} "
-            f"{'params':>7} {'grads':>6} {'optim':>6} {'saved act':>9} {'colls':>5} {'comm MiB':>8} {'loss diff':>9}")
+            f"{'params':>7} {'grads':>6} {'optim':>6} {'saved act':>9} {'colls':>5} {'buf MiB':>7} {'bus MiB':>7} "
+            f"{'loss diff':>9}")
         for r in res["rows"]:
             other = _row(res, "dtensor", r["sequence_parallel"])["step_ms"]
             out(f"{'lslm' if r['variant'] == 'lslm' else 'DTensor':<8} {'on' if r['sequence_parallel'] else 'off':<3} "
                 f"{r['step_ms']:>8.1f} {r['forward_ms']:>7.1f} {r['backward_ms']:>7.1f} {r['optimizer_ms']:>6.1f} "
                 f"{r['step_ms'] / other:>5.2f}x {r['params_bytes'] / MIB:>7.2f} {r['grads_bytes'] / MIB:>6.2f} "
                 f"{r['optimizer_bytes'] / MIB:>6.2f} {r['activation_bytes'] / MIB:>9.2f} "
-                f"{r['collectives_per_step']:>5} {r['comm_bytes_per_step'] / MIB:>8.2f} "
+                f"{r['collectives_per_step']:>5} {r['comm_bytes_per_step'] / MIB:>7.2f} {_bus_mib(r):>7} "
                 f"{r['max_loss_diff_vs_other']:>9.1e}")
         out("(times: ms, slowest rank, phases on it; memory: MiB per rank (params, grads, optimizer state, bytes saved "
-            f"for backward); colls / comm MiB: one step's collectives; process peak RSS, all models of the job: "
+            f"for backward); colls, buf MiB, bus MiB: one step's collectives, their buffers and what a rank sends "
+            f"(2(t-1)/t per all-reduce, (t-1)/t per all-gather or reduce-scatter)"
+            f"{'' if all('comm_bus_bytes_per_step' in r for r in res['rows']) else ', n/a: not in this older result'}; "
+            f"process peak RSS, all models of the job: "
             f"{res['process_peak_rss_bytes'] / MIB:.0f} MiB)")
 
 
