@@ -68,6 +68,8 @@ class ZeroConfig(TrainConfig):
                                              "(FSDP2's reshard_after_forward=False: 2 instead of 3 x the parameters "
                                              "moved per step, more memory)")
     bucket_cap_mb: float = option(25.0, help="MiB per gradient bucket (one reduce-scatter and all-gather each)", gt=0)
+    offload: str | None = option(None, choices=(None, "cpu"), help="cpu: fp32 masters, optimizer states and the "
+                                 "step in host memory (ZeRO-Offload); gradients down and weights up each step")
     checkpoint_dir: str | None = option(None, help="folder of sharded checkpoints, one sub-folder per saved step")
     save_every: int = option(0, help="save a sharded checkpoint every this many steps (0: never)", ge=0)
     resume: bool = option(False, help="continue from the latest complete checkpoint in --checkpoint-dir, at any "
@@ -98,7 +100,8 @@ def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
     scaler = DynamicLossScaler(init_scale=cfg.init_scale) if cfg.precision == "fp16" else None
     optimizer = ZeroOptimizer(model, adamw(list(model.parameters()), cfg), ctx, stage=cfg.stage, dtype=dtype,
                               scaler=scaler, grad_dtype=resolve_grad_dtype(cfg.grad_reduce_dtype, dtype),
-                              bucket_cap_mb=cfg.bucket_cap_mb, reshard_after_forward=not cfg.keep_gathered)
+                              bucket_cap_mb=cfg.bucket_cap_mb, reshard_after_forward=not cfg.keep_gathered,
+                              offload=cfg.offload)
     blocks = token_blocks(cfg.block_size, cfg.vocab_size)
     sampler = make_sampler(blocks, "baseline", rank=ctx.dp_rank, world_size=dp, seed=cfg.seed)
     loader = DataLoader(blocks, batch_size=cfg.batch_size // dp, sampler=sampler, drop_last=True)
@@ -129,7 +132,9 @@ def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
         rs = sum(r.nbytes for r in recs if r.label == REDUCE_SCATTER_LABEL)
         ag = sum(r.nbytes for r in recs if r.label == GATHER_LABEL)
         traffic.update(rs_bytes=rs, ag_bytes=ag, other_comm_bytes=sum(r.nbytes for r in recs) - rs - ag,
-                       loss_scale=float(optimizer.loss_scale), stepped=float(stepped))
+                       loss_scale=float(optimizer.loss_scale), stepped=float(stepped),
+                       offload_to_host_bytes=optimizer.offload_bytes["to_host"],
+                       offload_to_device_bytes=optimizer.offload_bytes["to_device"])
         done[0] += 1
         if cfg.save_every and done[0] % cfg.save_every == 0:
             save_zero(optimizer, Path(cfg.checkpoint_dir) / f"step{done[0]:06d}", step=done[0])
