@@ -200,6 +200,13 @@ def test_measurement_returns_consistent_fields() -> None:
         assert r["step_rel_error"] == pytest.approx((p.step_s - r["measured_step_s"]) / r["measured_step_s"])
         assert r["predicted_exposed_s"] >= r["last_bucket_s"] - 1e-15
     assert len(cmp_["sweep_rel_error"]) == len(meas["sweep"])
+    # The model's link is fitted on the caps' own buckets back to back; comm-bound is read from the measurement.
+    assert cmp_["link_source"] == "buckets"
+    for r, row in zip(cmp_["rows"], meas["rows"][1:]):
+        assert r["comm_bound"] == (row["comm_alone_s"] > local["backward_s"])
+        assert r["model_comm_bound"] == (r["predicted_comm_s"] > cmp_["backward_fraction"] * local["compute_s"])
+        sweep = sum(ring_all_reduce_s(b, 2, cmp_["sweep_link"]) for b in r["bucket_bytes"])
+        assert r["sweep_comm_rel_error"] == pytest.approx((sweep - row["comm_alone_s"]) / row["comm_alone_s"])
     print(f"step-time model vs measurement (quick model, not a benchmark): median |error| "
           f"{cmp_['median_abs_step_error']:.0%}")
 
@@ -210,3 +217,21 @@ def test_run_checks_input_before_launching() -> None:
     for kwargs in ({"nproc": 1}, {"bucket_caps_mb": (0,)}, {"bucket_caps_mb": ()}, {"steps": 0}):
         with pytest.raises(ValueError):
             run(**kwargs)
+
+
+def test_fit_on_bucket_totals_recovers_known_constants() -> None:
+    from lslm.metrics.step_time import fit_ring_totals
+
+    true = LinkCost(4e-4, 8e-10)
+    lists = [split_buckets(14_800_896, int(mb * 2**20)) for mb in (0.25, 1.0, 4.0)]
+    totals = [sum(ring_all_reduce_s(b, 2, true) for b in bs) for bs in lists]
+    fit = fit_ring_totals(lists, totals, 2)
+    assert fit.alpha_s == pytest.approx(true.alpha_s, rel=1e-9)
+    assert fit.beta_s_per_byte == pytest.approx(true.beta_s_per_byte, rel=1e-9)
+    fixed = fit_ring_totals(lists, totals, 2, alpha_s=true.alpha_s)  # only beta fitted
+    assert fixed.beta_s_per_byte == pytest.approx(true.beta_s_per_byte, rel=1e-9)
+    # More buckets taking less time: a negative alpha is non-physical, so the fit keeps one term.
+    odd = fit_ring_totals([[1e6] * 10, [1e7]], [1e-3, 2e-3], 2)
+    assert odd.alpha_s >= 0 and odd.beta_s_per_byte >= 0 and (odd.alpha_s == 0 or odd.beta_s_per_byte == 0)
+    with pytest.raises(ValueError):
+        fit_ring_totals([[1e6] * 2, [2e6] * 2], [1e-3, 2e-3], 2)  # one bucket count: alpha and beta not separable
