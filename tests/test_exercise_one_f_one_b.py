@@ -74,7 +74,8 @@ def test_reference_equals_lslm_schedule_and_passes(capsys) -> None:
 
 
 @pytest.mark.parametrize("candidate, kind", [
-    (gpipe_order, "gpipe"), (warmup_one_too_many, "in_flight"), (warmup_without_min, "few_microbatches"), (naive_order, "slow"),
+    (gpipe_order, "gpipe"), (warmup_one_too_many, "in_flight"), (warmup_without_min, "few_microbatches"),
+    (naive_order, "slow"),
     (backwards_reversed, "stuck"), (forgets_cooldown, "count"), (backward_first, "b_before_f"),
     (returns_tuples, "type"),
 ])

@@ -101,7 +101,7 @@ def ring_all_reduce_result(numel: int = 10) -> dict[str, Any]:
 
 
 def short_error(exc: BaseException) -> str:
-    """The first line of ``exc``'s message; a leading ``[/build/path/file.cc:129]`` becomes ``(file.cc:129)`` at the end.
+    """The first line of ``exc``'s message; a leading ``[/build/path/file.cc:129]`` becomes ``(file.cc:129)``.
 
     gloo prefixes its errors with the source location on the machine that built torch: a path that
     says nothing about the learner's machine.

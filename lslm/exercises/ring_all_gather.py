@@ -12,7 +12,8 @@ The checker runs it on real processes, with torch's collectives disabled during 
 call and every point-to-point call recorded: a ring means each rank sends only to its right
 neighbour, ``(rank + 1) % n``, and receives only from its left one, so an answer that sends
 its block straight to every rank (correct output, not a ring) is rejected; on 2 ranks both
-neighbours are the same peer, so it is the 3-process case that tells them apart. Every rank's input is a known function of (rank, M), so each rank judges its
+neighbours are the same peer, so it is the 3-process case that tells them apart. Every rank's
+input is a known function of (rank, M), so each rank judges its
 own output without a collective of the checker's; a ring that deadlocks is stopped
 after a few seconds and reported as a deadlock naming the ranks that never returned.
 """

@@ -51,7 +51,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["LinkCost", "StepPrediction", "critical_backward_per_byte", "critical_world_size", "exposed_comm_s",
-           "fit_ring", "fit_ring_totals", "only_last_exposed_backward_s", "predict_step", "ring_all_reduce_s", "split_buckets"]
+           "fit_ring", "fit_ring_totals", "only_last_exposed_backward_s", "predict_step", "ring_all_reduce_s",
+           "split_buckets"]
 
 
 @dataclass(frozen=True)
