@@ -194,8 +194,13 @@ def test_measurement_returns_consistent_fields() -> None:
     link, local = cmp_["link"], cmp_["local"]
     assert [r["name"] for r in cmp_["rows"]] == ["bucketed 0.05", "bucketed 1"]
     for r in cmp_["rows"]:
-        p = predict_step(r["bucket_bytes"], 2, link, local["compute_s"], backward_fraction=cmp_["backward_fraction"],
-                         optimizer_s=local["optimizer_s"])
+        p = predict_step(r["bucket_bytes"], 2, r["link"], local["compute_s"],
+                         backward_fraction=cmp_["backward_fraction"], optimizer_s=local["optimizer_s"])
+        # the row's link: the fit's shape, scaled to this cap's measured back-to-back time
+        assert p.comm_s == pytest.approx(r["measured_comm_alone_s"], rel=1e-9)
+        scale = r["measured_comm_alone_s"] / r["fit_comm_s"]
+        assert r["link"].alpha_s == pytest.approx(link.alpha_s * scale)
+        assert r["link"].beta_s_per_byte == pytest.approx(link.beta_s_per_byte * scale)
         assert r["predicted_step_s"] == p.step_s and r["predicted_exposed_s"] == p.exposed_s
         assert r["step_rel_error"] == pytest.approx((p.step_s - r["measured_step_s"]) / r["measured_step_s"])
         assert r["predicted_exposed_s"] >= r["last_bucket_s"] - 1e-15
@@ -205,6 +210,7 @@ def test_measurement_returns_consistent_fields() -> None:
     for r, row in zip(cmp_["rows"], meas["rows"][1:]):
         assert r["comm_bound"] == (row["comm_alone_s"] > local["backward_s"])
         assert r["model_comm_bound"] == (r["predicted_comm_s"] > cmp_["backward_fraction"] * local["compute_s"])
+        assert r["comm_rel_error"] == pytest.approx((r["fit_comm_s"] - row["comm_alone_s"]) / row["comm_alone_s"])
         sweep = sum(ring_all_reduce_s(b, 2, cmp_["sweep_link"]) for b in r["bucket_bytes"])
         assert r["sweep_comm_rel_error"] == pytest.approx((sweep - row["comm_alone_s"]) / row["comm_alone_s"])
     print(f"step-time model vs measurement (quick model, not a benchmark): median |error| "
