@@ -1,7 +1,9 @@
 # The course's commands. Everything runs inside .venv, created on first use.
 #
 #   make lab      install if needed, start JupyterLab on the repository root, opened on notebooks/
-#                 (the root is served so that the notebooks' ../images/*.png links load)
+#                 (the root is served so that the notebooks' ../images/*.png links load), with the course's
+#                 Lab defaults from .jupyter/labconfig/default_setting_overrides.json (no Jupyter news fetched,
+#                 so no "get notified about official Jupyter news?" pop-up; a learner's own settings still win)
 #   make test     install if needed, lint (ruff, then import-linter's layer contracts), run the whole test suite
 #                 (notebooks included)
 #
@@ -38,8 +40,10 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 # The root is served (not notebooks/) so that ../images/*.png resolves; the browser opens on notebooks/.
+# JUPYTER_CONFIG_PATH adds .jupyter/ to Jupyter's config search path: jupyterlab_server reads setting
+# defaults from <config path>/labconfig/default_setting_overrides.json.
 lab: setup
-	$(BIN)/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks \
+	JUPYTER_CONFIG_PATH="$(CURDIR)/.jupyter$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH}" $(BIN)/jupyter lab --ServerApp.root_dir=. --LabApp.default_url=/lab/tree/notebooks \
 		--port=$(PORT) $(ROOT_FLAG) $(LAB_ARGS)
 
 test: setup lint

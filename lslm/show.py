@@ -4,13 +4,16 @@
 that make a library safe but hide the algorithm. :func:`show_source` prints the
 same source with the docstrings cut to their first line and the input checks
 (``if ...: raise ...``) folded into one comment each, and says how many lines it
-hid and how to see them all (``show_source(obj, full=True)``).
+hid and how to see them all (``show_source(obj, full=True)``). The package's own lint
+markers (``# lslm: cpu-ok (...)``, read by ``tests/test_backend.py``) are never shown:
+they speak to the linter, not to the learner.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import re
 import textwrap
 from typing import Any
 
@@ -18,6 +21,19 @@ __all__ = ["show_source", "trimmed_source"]
 
 _DOCSTRING_MODES = ("summary", "full", "none")
 _CHECK = "input check"
+#: A trailing lint marker of the package, e.g. ``  # lslm: cpu-ok (seeded, then moved)``.
+_LINT_MARKER = re.compile(r"\s*# lslm: [a-z][a-z-]*(?: \(.*\))?\s*$")
+
+
+def _strip_markers(lines: list[str]) -> list[str]:
+    """``lines`` without the package's lint markers; a line that held only a marker is dropped."""
+    out = []
+    for line in lines:
+        bare = _LINT_MARKER.sub("", line)
+        if bare != line and not bare.strip():
+            continue
+        out.append(bare)
+    return out
 
 
 def _summary(doc: str) -> str:
@@ -86,6 +102,12 @@ def trimmed_source(obj: Any, start: str | None = None, stop: str | None = None, 
                    checks: bool = True, elide: tuple[str, ...] | list[str] = (), full: bool = False
                    ) -> tuple[str, int]:
     """Return ``(text, hidden_lines)``: ``obj``'s source trimmed as :func:`show_source` describes."""
+    text, hidden = _trimmed(obj, start, stop, docstring=docstring, checks=checks, elide=elide, full=full)
+    return "\n".join(_strip_markers(text.split("\n"))), hidden
+
+
+def _trimmed(obj: Any, start: str | None, stop: str | None, *, docstring: str, checks: bool,
+             elide: tuple[str, ...] | list[str], full: bool) -> tuple[str, int]:
     if docstring not in _DOCSTRING_MODES:
         raise ValueError(f"docstring must be one of {_DOCSTRING_MODES}, got {docstring!r}")
     lines = textwrap.dedent(inspect.getsource(obj)).splitlines()
@@ -130,7 +152,9 @@ def show_source(obj: Any, start: str | None = None, stop: str | None = None, *, 
       (e.g. ``elide=("if check:",)``);
     * ``start`` / ``stop``: print only the lines from the first one containing ``start``
       to the next one containing ``stop``;
-    * ``full=True``: everything, exactly as ``inspect.getsource`` gives it.
+    * ``full=True``: everything, as ``inspect.getsource`` gives it.
+
+    In every mode the package's lint markers (``# lslm: cpu-ok (...)``) are left out.
     """
     text, hidden = trimmed_source(obj, start, stop, docstring=docstring, checks=checks, elide=elide, full=full)
     print(text)

@@ -8,7 +8,8 @@ images/) from this interpreter's environment, with a token on a free port. One b
 * opens every notebook in notebooks/ and waits for its kernel: every <img> (the ../images diagrams and the
   saved figures) must have loaded, no widget may show an error, and the notebook must not turn "modified";
 * runs, through the UI (a click in the cell, then Shift+Enter), the one cell of a scratch notebook that
-  launches a 2-process job with ``lslm.launch`` and prints what the ranks returned.
+  launches a 2-process job with ``lslm.launch`` and prints what the ranks returned;
+* counts the toasts asking to opt into Jupyter news (none: the course's Lab defaults answer it).
 
 Every HTTP answer of 400 or more seen by the browser, and every 404 in the server log, fails the test.
 Skipped, with the reason, where Playwright for Python or a Chromium-family browser is missing (``.ci/run``
@@ -68,6 +69,7 @@ class Visit:
     listed: list[str] = field(default_factory=list)
     notebooks: dict[str, dict[str, Any]] = field(default_factory=dict)
     cell_output: str = ""
+    news_prompts: int = -1  # toasts asking "get notified about official Jupyter news?" seen at the end
     http_errors: list[str] = field(default_factory=list)
     log: list[str] = field(default_factory=list)
     phase: str = ""  # what the browser was doing (named when it fails)
@@ -95,6 +97,7 @@ def _copy_course(dest: Path) -> None:
     """The files `make lab` serves, copied so the browser's saves and checkpoints never touch the repository."""
     for name in ("Makefile", "pyproject.toml"):
         shutil.copy2(ROOT / name, dest / name)
+    shutil.copytree(ROOT / ".jupyter", dest / ".jupyter")  # the course's Lab setting defaults
     ignore = shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__", "*.py")
     shutil.copytree(ROOT / "images", dest / "images", ignore=ignore)
     shutil.copytree(ROOT / "notebooks", dest / "notebooks", ignore=ignore)
@@ -192,6 +195,7 @@ def _browse(page: Any, base: str, token: str, tree: Path, visit: Visit, proc: su
         document.querySelector('{panel} .jp-CodeCell .jp-InputPrompt').innerText)""", timeout=120_000,
         polling=POLL_MS)
     visit.cell_output = page.locator(f"{panel} .jp-CodeCell .jp-OutputArea").first.inner_text()
+    visit.news_prompts = page.get_by_text("official Jupyter news").count()  # Lab asks once restored, if at all
     visit.lap("cell run", t)
 
 
@@ -250,6 +254,11 @@ def test_no_widget_error_and_no_notebook_opens_modified(lab_visit: Visit) -> Non
 
 def test_a_cell_run_in_the_browser_launches_two_processes(lab_visit: Visit) -> None:
     assert f"{MARK} [0, 1] [True, True]" in lab_visit.cell_output, lab_visit.cell_output
+
+
+def test_lab_does_not_ask_about_jupyter_news(lab_visit: Visit) -> None:
+    """A fresh user (empty settings folder) is not asked to opt into Jupyter news: the course answers "never"."""
+    assert lab_visit.news_prompts == 0, lab_visit.news_prompts
 
 
 def test_no_http_error_in_browser_or_server_log(lab_visit: Visit) -> None:

@@ -93,6 +93,15 @@ def test_blocking_ring_deadlocks_even_for_one_element_until_the_timeout() -> Non
     assert any("Timed out" in r["error"] for r in res), res
 
 
+def test_short_error_hides_the_path_of_the_machine_that_built_torch() -> None:
+    from lslm.demos.collectives_demo import short_error
+
+    exc = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] "
+                       "Timed out waiting 3000ms for send operation to complete\nsecond line")
+    assert short_error(exc) == "Timed out waiting 3000ms for send operation to complete (unbound_buffer.cc:129)"
+    assert short_error(RuntimeError("plain")) == "plain"
+
+
 def test_ordered_ring_completes_on_an_odd_ring() -> None:
     res = run_workers("lslm.demos.collectives_demo:ordered_ring", 3, numel=4096, timeout_s=10, timeout=60)
     assert all(r["completed"] and r["correct"] for r in res), res

@@ -20,6 +20,14 @@ def warmup_one_too_many(p, m, rank):
     return order + [f"B{i}" for i in range(m - w, m)]
 
 
+def warmup_without_min(p, m, rank):
+    w = p - 1 - rank  # right for m >= p; with m < p it asks for micro-batches that do not exist
+    order = [f"F{i}" for i in range(w)]
+    for i in range(m - w):
+        order += [f"F{w + i}", f"B{i}"]
+    return order + [f"B{i}" for i in range(m - w, m)]
+
+
 def naive_order(p, m, rank):
     return [x for i in range(m) for x in (f"F{i}", f"B{i}")]
 
@@ -66,7 +74,8 @@ def test_reference_equals_lslm_schedule_and_passes(capsys) -> None:
 
 
 @pytest.mark.parametrize("candidate, kind", [
-    (gpipe_order, "gpipe"), (warmup_one_too_many, "in_flight"), (naive_order, "slow"),
+    (gpipe_order, "gpipe"), (warmup_one_too_many, "in_flight"), (warmup_without_min, "few_microbatches"),
+    (naive_order, "slow"),
     (backwards_reversed, "stuck"), (forgets_cooldown, "count"), (backward_first, "b_before_f"),
     (returns_tuples, "type"),
 ])
@@ -74,6 +83,14 @@ def test_plausible_wrong_orders_are_rejected_with_their_hint(candidate, kind) ->
     verdict = check_one_f_one_b_order(candidate)
     assert not verdict.passed and verdict.attempted
     assert verdict.details["kind"] == kind, verdict
+
+
+def test_the_checker_has_cases_with_fewer_microbatches_than_stages() -> None:
+    from lslm.exercises.one_f_one_b import CASES
+
+    assert any(m < p - 1 for p, m in CASES)  # m <= p - 2: rank 0's unclamped warm-up overruns m
+    verdict = check_one_f_one_b_order(warmup_without_min)
+    assert verdict.details["m"] < verdict.details["p"] and "min(p - 1 - rank, m)" in verdict.hint
 
 
 def test_stub_is_not_attempted() -> None:

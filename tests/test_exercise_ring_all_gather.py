@@ -78,6 +78,18 @@ def ring_one_step_short(output, input, rank, world_size):
             work.wait()
 
 
+def direct_to_all(output, input, rank, world_size):
+    n, m = world_size, input.numel()
+    output[rank * m:(rank + 1) * m] = input
+    ops = []
+    for peer in range(n):  # right result, wrong topology: every rank sends its block to every other rank
+        if peer != rank:
+            ops.append(dist.P2POp(dist.isend, input, peer))  # noqa: F821
+            ops.append(dist.P2POp(dist.irecv, output[peer * m:(peer + 1) * m], peer))  # noqa: F821
+    for work in dist.batch_isend_irecv(ops):  # noqa: F821
+        work.wait()
+
+
 def ring_cheating(output, input, rank, world_size):
     dist.all_gather_into_tensor(output, input)  # noqa: F821
 
@@ -98,7 +110,8 @@ def ring_stub(output, input, rank, world_size):
 
 WRONG = {  # world size -> candidate -> the kind its verdict must name
     2: {ring_forgets_own_block: "own_block", ring_one_step_short: "never_written", ring_cheating: "collective"},
-    3: {ring_wrong_block: "wrong_block", ring_one_step_short: "never_written", ring_forgets_own_block: "own_block"},
+    3: {ring_wrong_block: "wrong_block", ring_one_step_short: "never_written", ring_forgets_own_block: "own_block",
+        direct_to_all: "not_ring"},
 }
 
 
@@ -132,6 +145,12 @@ def test_wrong_block_names_the_slot_and_whose_data_it_holds(ring_verdicts) -> No
     assert "block 1 of output holds rank 2's input" in verdict.message
     assert "(rank - s - 1) % world_size" in verdict.hint
     assert "is off during this exercise" in ring_verdicts[2]["ring_cheating"].message
+
+
+def test_direct_to_all_is_not_a_ring(ring_verdicts) -> None:
+    verdict = ring_verdicts[3]["direct_to_all"]
+    assert "rank 0 (M=1, float32): sent a block to rank 2; in a ring it sends only to rank 1" in verdict.message
+    assert "(rank + 1) % world_size" in verdict.hint
 
 
 def test_a_deadlocked_ring_is_told_it_deadlocked(capsys) -> None:

@@ -60,7 +60,8 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 
 def test_make_lab_serves_jupyterlab() -> None:
-    """`make lab` serves the repository root (so ../images links load) and opens on notebooks/.
+    """`make lab` serves the repository root (so ../images links load), opens on notebooks/, and with the
+    course's Lab settings (no Jupyter news fetched: no "get notified about official Jupyter news?" pop-up).
 
     It runs from this interpreter's environment (VENV=sys.prefix) with the install step skipped (``-o``),
     so the test never creates or updates an environment.
@@ -98,6 +99,12 @@ def test_make_lab_serves_jupyterlab() -> None:
             urllib.request.build_opener(_NoRedirect).open(f"{base}/?token={token}", timeout=5)
         location = urllib.parse.urlsplit(redirect.value.headers["Location"])
         assert redirect.value.code == 302 and location.path == "/lab/tree/notebooks", location
+        # The course's Lab defaults (.jupyter/labconfig) are served: news is never fetched, so Lab does not ask.
+        plugin = "@jupyterlab/apputils-extension:notification"
+        with urllib.request.urlopen(f"{base}/lab/api/settings/{plugin}?token={token}", timeout=10) as r:
+            schema = json.loads(r.read())["schema"]["properties"]
+        assert schema["fetchNews"]["default"] == "false", schema["fetchNews"]
+        assert schema["checkForUpdates"]["default"] is False, schema["checkForUpdates"]
     finally:
         children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
         os.killpg(proc.pid, signal.SIGTERM)

@@ -60,3 +60,29 @@ def test_start_stop_and_errors(capsys):
     show_source(_example)
     out = capsys.readouterr().out
     assert "show_source(_example, full=True) prints all" in out
+
+
+def _with_markers(n: int) -> int:
+    """A listing with the package's lint markers in it."""
+    x = n * 2  # keep this comment  # lslm: cpu-ok (a test of show_source)
+    # lslm: cpu-ok (a marker on a line of its own)
+    return x  # lslm: cpu-ok
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_lint_markers_are_not_shown(full, capsys):
+    show_source(_with_markers, full=full)
+    out = capsys.readouterr().out
+    assert "lslm:" not in out and "cpu-ok" not in out
+    assert "x = n * 2  # keep this comment\n" in out  # the learner's comment stays, no trailing blanks
+    assert "    return x\n" in out
+    assert len(out.strip().splitlines()) == 4  # def, docstring, x = ..., return: the marker-only line is gone
+
+
+def test_lint_markers_of_package_code_are_not_shown(capsys):
+    from lslm.exercises import model_state_bytes
+
+    assert "# lslm: cpu-ok" in inspect.getsource(model_state_bytes._loss)
+    show_source(model_state_bytes._loss)
+    out = capsys.readouterr().out
+    assert "lslm:" not in out and "torch.randint(0, 64, (2, 8))\n" in out

@@ -194,12 +194,25 @@ def test_measurement_returns_consistent_fields() -> None:
     link, local = cmp_["link"], cmp_["local"]
     assert [r["name"] for r in cmp_["rows"]] == ["bucketed 0.05", "bucketed 1"]
     for r in cmp_["rows"]:
-        p = predict_step(r["bucket_bytes"], 2, link, local["compute_s"], backward_fraction=cmp_["backward_fraction"],
-                         optimizer_s=local["optimizer_s"])
+        p = predict_step(r["bucket_bytes"], 2, r["link"], local["compute_s"],
+                         backward_fraction=cmp_["backward_fraction"], optimizer_s=local["optimizer_s"])
+        # the row's link: the fit's shape, scaled to this cap's measured back-to-back time
+        assert p.comm_s == pytest.approx(r["measured_comm_alone_s"], rel=1e-9)
+        scale = r["measured_comm_alone_s"] / r["fit_comm_s"]
+        assert r["link"].alpha_s == pytest.approx(link.alpha_s * scale)
+        assert r["link"].beta_s_per_byte == pytest.approx(link.beta_s_per_byte * scale)
         assert r["predicted_step_s"] == p.step_s and r["predicted_exposed_s"] == p.exposed_s
         assert r["step_rel_error"] == pytest.approx((p.step_s - r["measured_step_s"]) / r["measured_step_s"])
         assert r["predicted_exposed_s"] >= r["last_bucket_s"] - 1e-15
     assert len(cmp_["sweep_rel_error"]) == len(meas["sweep"])
+    # The model's link is fitted on the caps' own buckets back to back; comm-bound is read from the measurement.
+    assert cmp_["link_source"] == "buckets"
+    for r, row in zip(cmp_["rows"], meas["rows"][1:]):
+        assert r["comm_bound"] == (row["comm_alone_s"] > local["backward_s"])
+        assert r["model_comm_bound"] == (r["predicted_comm_s"] > cmp_["backward_fraction"] * local["compute_s"])
+        assert r["comm_rel_error"] == pytest.approx((r["fit_comm_s"] - row["comm_alone_s"]) / row["comm_alone_s"])
+        sweep = sum(ring_all_reduce_s(b, 2, cmp_["sweep_link"]) for b in r["bucket_bytes"])
+        assert r["sweep_comm_rel_error"] == pytest.approx((sweep - row["comm_alone_s"]) / row["comm_alone_s"])
     print(f"step-time model vs measurement (quick model, not a benchmark): median |error| "
           f"{cmp_['median_abs_step_error']:.0%}")
 
@@ -210,3 +223,21 @@ def test_run_checks_input_before_launching() -> None:
     for kwargs in ({"nproc": 1}, {"bucket_caps_mb": (0,)}, {"bucket_caps_mb": ()}, {"steps": 0}):
         with pytest.raises(ValueError):
             run(**kwargs)
+
+
+def test_fit_on_bucket_totals_recovers_known_constants() -> None:
+    from lslm.metrics.step_time import fit_ring_totals
+
+    true = LinkCost(4e-4, 8e-10)
+    lists = [split_buckets(14_800_896, int(mb * 2**20)) for mb in (0.25, 1.0, 4.0)]
+    totals = [sum(ring_all_reduce_s(b, 2, true) for b in bs) for bs in lists]
+    fit = fit_ring_totals(lists, totals, 2)
+    assert fit.alpha_s == pytest.approx(true.alpha_s, rel=1e-9)
+    assert fit.beta_s_per_byte == pytest.approx(true.beta_s_per_byte, rel=1e-9)
+    fixed = fit_ring_totals(lists, totals, 2, alpha_s=true.alpha_s)  # only beta fitted
+    assert fixed.beta_s_per_byte == pytest.approx(true.beta_s_per_byte, rel=1e-9)
+    # More buckets taking less time: a negative alpha is non-physical, so the fit keeps one term.
+    odd = fit_ring_totals([[1e6] * 10, [1e7]], [1e-3, 2e-3], 2)
+    assert odd.alpha_s >= 0 and odd.beta_s_per_byte >= 0 and (odd.alpha_s == 0 or odd.beta_s_per_byte == 0)
+    with pytest.raises(ValueError):
+        fit_ring_totals([[1e6] * 2, [2e6] * 2], [1e-3, 2e-3], 2)  # one bucket count: alpha and beta not separable

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -99,12 +100,28 @@ def ring_all_reduce_result(numel: int = 10) -> dict[str, Any]:
         return {"rank": ctx.rank, "result": x.tolist()}
 
 
+def short_error(exc: BaseException) -> str:
+    """The first line of ``exc``'s message; a leading ``[/build/path/file.cc:129]`` becomes ``(file.cc:129)``.
+
+    gloo prefixes its errors with the source location on the machine that built torch: a path that
+    says nothing about the learner's machine.
+    """
+    lines = str(exc).splitlines()
+    line = lines[0] if lines else type(exc).__name__
+    hit = re.match(r"^\[([^\]]+)\]\s*(.*)$", line)
+    if hit:
+        line = f"{hit.group(2)} ({hit.group(1).rsplit('/', 1)[-1]})"
+    return line[:300]
+
+
 def blocking_ring(numel: int = 1, timeout_s: float = 5.0) -> dict[str, Any]:
     """Worker: run :func:`~lslm.collectives.deadlock.blocking_ring_exchange` with a ``timeout_s`` process group;
     report how it ended.
 
     Returns ``{"rank", "world_size", "numel", "completed", "seconds", "error"}``:
     ``completed`` is False and ``seconds`` is about ``timeout_s`` when the ring deadlocked.
+    ``error`` is the first line of the exception (:func:`short_error`: without the path of the
+    machine that built torch).
     """
     ctx = init_distributed(timeout_s=timeout_s)
     start = time.perf_counter()
@@ -112,7 +129,7 @@ def blocking_ring(numel: int = 1, timeout_s: float = 5.0) -> dict[str, Any]:
         blocking_ring_exchange(ctx.comm, numel, device=ctx.device)
         completed, error = True, ""
     except RuntimeError as exc:
-        completed, error = False, str(exc).splitlines()[0][:300]
+        completed, error = False, short_error(exc)
     result = {"rank": ctx.rank, "world_size": ctx.world_size, "numel": numel, "completed": completed,
               "seconds": time.perf_counter() - start, "error": error}
     # No barrier before tearing down: the timed-out sends leave the group unusable.

@@ -19,6 +19,9 @@ the answer when, on every rank:
    memory bound, which GPipe breaks;
 4. the step takes ``(m + p - 1) x (F + B)`` units, the shortest any schedule can do with
    this split: 1F1B's bubble, not the naive schedule's.
+
+Cases include fewer micro-batches than stages (``m < p``), where the warm-up must be clamped
+to ``m`` forwards.
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ from typing import Any
 from lslm.exercises.core import Verdict, report, run_local
 from lslm.exercises.registry import Exercise, register
 
-#: (p, m) cases, small to large, m >= p (every rank reaches the steady state).
-CASES = ((2, 2), (2, 5), (3, 6), (4, 4), (4, 8))
+#: (p, m) cases: m >= p (every rank reaches the steady state), then m < p (fewer micro-batches than stages:
+#: a warm-up of p - 1 - rank forwards would run micro-batches that do not exist, so it is min(p - 1 - rank, m)).
+CASES = ((2, 2), (2, 5), (3, 6), (4, 4), (4, 8), (4, 2), (3, 1))
 COSTS = {"F": 1.0, "B": 2.0}
 _ITEM = re.compile(r"^([FB])(\d+)$")
+_ITEM_ANY = re.compile(r"^[FB]-?\d+$")  # also negative micro-batch numbers: what an unclamped warm-up produces
 
 
 def reference_one_f_one_b_order(p: int, m: int, rank: int) -> list[str]:
@@ -52,6 +57,8 @@ def reference_one_f_one_b_order(p: int, m: int, rank: int) -> list[str]:
 
 
 HINTS = {
+    "few_microbatches": "with fewer micro-batches than stages (m < p) a warm-up of p - 1 - rank forwards asks for "
+                        "micro-batches that do not exist: warm up with min(p - 1 - rank, m) forwards",
     "type": "return a list of strings such as ['F0', 'F1', 'B0', ...]: 'F' or 'B' then the micro-batch number",
     "count": "every micro-batch 0 .. m-1 needs exactly one forward 'F<i>' and one backward 'B<i>' on every rank",
     "b_before_f": "a micro-batch's backward needs its forward's saved activations: 'F<i>' must come before 'B<i>'",
@@ -97,6 +104,10 @@ def _judge_case(fn: Callable[[int, int, int], Any], p: int, m: int) -> dict[str,
     for rank in range(p):
         got = fn(p, m, rank)
         items = _parse(got, m)
+        if items is None and m < p and isinstance(got, list | tuple) and got and all(
+                isinstance(x, str) and _ITEM_ANY.match(x.strip()) for x in got):
+            return _fail("few_microbatches", f"{where}, rank {rank}: {list(got)!r} names micro-batches outside "
+                         f"0..{m - 1}", p=p, m=m, rank=rank)
         if items is None:
             return _fail("type", f"{where}, rank {rank}: {got!r} is not a list of 'F<i>' / 'B<i>' with i < {m}",
                          p=p, m=m, rank=rank)

@@ -9,7 +9,11 @@ work: on 2 ranks both neighbours are the same peer, and separately posted
 ``isend``/``irecv`` to one peer can deadlock on NCCL for large messages.
 
 The checker runs it on real processes, with torch's collectives disabled during the
-call. Every rank's input is a known function of (rank, M), so each rank judges its
+call and every point-to-point call recorded: a ring means each rank sends only to its right
+neighbour, ``(rank + 1) % n``, and receives only from its left one, so an answer that sends
+its block straight to every rank (correct output, not a ring) is rejected; on 2 ranks both
+neighbours are the same peer, so it is the 3-process case that tells them apart. Every rank's
+input is a known function of (rank, M), so each rank judges its
 own output without a collective of the checker's; a ring that deadlocks is stopped
 after a few seconds and reported as a deadlock naming the ranks that never returned.
 """
@@ -74,6 +78,66 @@ def _collectives_disabled() -> Iterator[None]:
             setattr(dist, name, fn)
 
 
+_P2P = ("send", "isend", "recv", "irecv")
+
+
+def _peer(args: tuple[Any, ...], kwargs: dict[str, Any], key: str) -> Any:
+    """The peer of a send (``key="dst"``) or receive (``"src"``) call, global rank or group rank."""
+    if len(args) > 1:
+        return args[1]
+    return kwargs.get(key, kwargs.get(f"group_{key}"))
+
+
+@contextlib.contextmanager
+def _p2p_recorded(log: list[tuple[str, Any]]) -> Iterator[None]:
+    """Append ``("send" | "recv", peer)`` to ``log`` for every point-to-point call made in the block.
+
+    ``dist.send/isend/recv/irecv`` are wrapped; ``dist.P2POp`` builds torch's own op around the
+    original function (torch checks it by identity), and ``batch_isend_irecv`` records each op's peer.
+    """
+    saved = {name: getattr(dist, name) for name in (*_P2P, "P2POp", "batch_isend_irecv")}
+
+    def wrap(name: str) -> Callable[..., Any]:
+        kind, key = ("send", "dst") if "send" in name else ("recv", "src")
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            log.append((kind, _peer(args, kwargs, key)))
+            return saved[name](*args, **kwargs)
+        recorded.__name__ = name
+        return recorded
+
+    wrappers = {name: wrap(name) for name in _P2P}
+    unwrap = {w: saved[name] for name, w in wrappers.items()}
+
+    def p2p_op(op: Any, *args: Any, **kwargs: Any) -> Any:
+        return saved["P2POp"](unwrap.get(op, op), *args, **kwargs)
+
+    def batch(ops: list[Any]) -> Any:
+        for op in ops:
+            log.append(("send" if op.op is saved["isend"] else "recv", op.peer))
+        return saved["batch_isend_irecv"](ops)
+
+    try:
+        for name, fn in wrappers.items():
+            setattr(dist, name, fn)
+        dist.P2POp = p2p_op
+        dist.batch_isend_irecv = batch
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _off_ring(log: list[tuple[str, Any]], rank: int, n: int) -> dict[str, Any] | None:
+    """The first send not to ``rank + 1``, else the first receive not from ``rank - 1`` (mod n), else None."""
+    want = {"send": (rank + 1) % n, "recv": (rank - 1) % n}
+    for op in ("send", "recv"):
+        for kind, peer in log:
+            if kind == op and peer is not None and peer != want[kind]:
+                return {"kind": "not_ring", "op": kind, "peer": peer, "neighbour": want[kind]}
+    return None
+
+
 def _input(rank: int, m: int, dtype: torch.dtype) -> torch.Tensor:
     """Rank ``rank``'s input for M=``m``: host RNG seeded by (rank, m), so any rank can rebuild anyone's."""
     gen = torch.Generator().manual_seed(1000 * rank + m)
@@ -108,14 +172,15 @@ def _check_one(fn: Callable[..., Any], ctx: Any) -> dict[str, Any] | None:
     for m, dtype in CASES:
         got = torch.full((n * m,), FILL, dtype=dtype, device=ctx.device)
         where = {"m": m, "dtype": str(dtype).removeprefix("torch.")}
+        log: list[tuple[str, Any]] = []
         try:
-            with _collectives_disabled():
+            with _collectives_disabled(), _p2p_recorded(log):
                 call_learner(fn, got, _input(r, m, dtype).to(ctx.device), r, n, label=f"M={m}, {where['dtype']}")
         except Exception as exc:  # noqa: BLE001 - the learner's error becomes the verdict
             kind = "collective" if "is off during this exercise" in str(exc) else "error"
             problems.append({**where, "kind": kind, "error": f"{type(exc).__name__}: {exc}"})
             break
-        found = _diagnose(got.cpu(), r, n, m, dtype)
+        found = _diagnose(got.cpu(), r, n, m, dtype) or _off_ring(log, r, n)
         if found:
             problems.append({**where, **found})
             break
@@ -138,6 +203,10 @@ HINTS = {
                    "(rank - s - 1) % world_size (the one it received in step s-1), and block j belongs at "
                    "output[j*M:(j+1)*M]",
     "wrong": "block j of output must be rank j's input; in step s forward the block you received in step s-1",
+    "not_ring": "the output is right but it is not a ring: each rank may send only to its right neighbour "
+                "(rank + 1) % world_size and receive only from its left one (rank - 1) % world_size; in step s "
+                "forward the block you received in step s-1 (a ring keeps every link busy with one block at a "
+                "time; sending your block to everyone puts n-1 messages on your own link)",
 }
 
 
@@ -149,6 +218,10 @@ def _judge(everyone: list[list[dict[str, Any]]]) -> dict[str, Any]:
         case = f"M={p['m']}, {p['dtype']}"
         if "error" in p:
             msg = f"rank {rank} ({case}): {p['error']}"
+        elif p["kind"] == "not_ring":
+            verb, only, prep = ("sent", "sends", "to") if p["op"] == "send" else ("received", "receives", "from")
+            msg = (f"rank {rank} ({case}): {verb} a block {prep} rank {p['peer']}; in a ring it {only} only "
+                   f"{prep} rank {p['neighbour']}")
         elif p["kind"] == "wrong_block":
             msg = (f"rank {rank} ({case}): block {p['block']} of output holds rank {p['holds']}'s input "
                    f"(output[{p['index']}] expected {p['expected']}, got {p['got']})")

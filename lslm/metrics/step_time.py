@@ -51,7 +51,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["LinkCost", "StepPrediction", "critical_backward_per_byte", "critical_world_size", "exposed_comm_s",
-           "fit_ring", "only_last_exposed_backward_s", "predict_step", "ring_all_reduce_s", "split_buckets"]
+           "fit_ring", "fit_ring_totals", "only_last_exposed_backward_s", "predict_step", "ring_all_reduce_s",
+           "split_buckets"]
 
 
 @dataclass(frozen=True)
@@ -242,3 +243,48 @@ def fit_ring(sizes: Sequence[float], times: Sequence[float], n: int) -> LinkCost
     beta = max(0.0, float(slope))
     alpha = max(0.0, float(t[lo] - per_byte * sizes[lo] * beta) / (2 * (n - 1)))
     return LinkCost(alpha, beta, 0.0)
+
+
+def fit_ring_totals(bucket_lists: Sequence[Sequence[float]], totals: Sequence[float], n: int,
+                    alpha_s: float | None = None) -> LinkCost:
+    """Fit alpha and a per-byte cost to the time of whole lists of buckets all-reduced back to back.
+
+    ``totals[c]`` is the measured time of all-reducing ``bucket_lists[c]`` one after another, so the
+    model is ``W_c = 2(n-1) alpha K_c + 2(n-1)/n beta G_c`` (``K_c`` buckets of ``G_c`` bytes in all):
+    a fit on the sizes a DDP step really uses, not on a sweep of single messages. Least squares on
+    relative error. Lists with different bucket counts tell alpha from beta; with ``alpha_s`` given
+    (e.g. a sweep's), only the per-byte cost is fitted. The best non-negative fit is returned: when
+    the joint fit makes a coefficient negative, the better of the two one-term fits.
+    """
+    import numpy as np
+
+    _check_n(n)
+    if n < 2:
+        raise ValueError("fitting needs n >= 2 (one rank communicates nothing)")
+    if len(bucket_lists) != len(totals) or not totals or any(t <= 0 for t in totals):
+        raise ValueError("need one total time > 0 per list of buckets")
+    for buckets in bucket_lists:
+        _check_buckets(buckets)
+    t = np.asarray(totals, dtype=float)
+    design = np.array([[2 * (n - 1) * len(b), 2 * (n - 1) / n * float(sum(b))] for b in bucket_lists]) / t[:, None]
+
+    def rss(coef: Any) -> float:
+        return float(np.sum((design @ coef - 1.0) ** 2))
+
+    if alpha_s is not None:
+        if alpha_s < 0:
+            raise ValueError(f"alpha_s must be >= 0, got {alpha_s}")
+        rest = 1.0 - design[:, 0] * alpha_s
+        beta = float(design[:, 1] @ rest / (design[:, 1] @ design[:, 1]))
+        return LinkCost(float(alpha_s), max(0.0, beta), 0.0)
+    if len({len(b) for b in bucket_lists}) < 2:
+        raise ValueError("alpha and beta need lists with at least two different bucket counts (or give alpha_s)")
+    coef, *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    if coef[0] < 0 or coef[1] < 0:  # the constrained optimum lies on an axis: one term only
+        one = []
+        for j in (0, 1):
+            c = np.zeros(2)
+            c[j] = max(0.0, float(design[:, j].sum() / (design[:, j] @ design[:, j])))
+            one.append(c)
+        coef = min(one, key=rss)
+    return LinkCost(float(coef[0]), float(coef[1]), 0.0)
