@@ -56,21 +56,23 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["bench", "ddp", "--bucket-mb", "nan"], "must be a finite number of MiB > 0"),
     (["bench", "ddp", "--repeats", "3"], "--repeats is an option of `lslm bench launch / collectives / pipeline`, "
                                          "not of `lslm bench ddp`"),
-    (["bench", "launch", "--quick"], "--quick is an option of `lslm bench ddp / tp / pipeline`, "
+    (["bench", "launch", "--quick"], "--quick is an option of `lslm bench ddp / tp / pipeline / zero`, "
                                      "not of `lslm bench launch`"),
     (["bench", "launch", "--device", "cpu"], "--device is an option of `lslm bench collectives / ddp / tp / "
-                                             "pipeline`"),
-    (["bench", "collectives", "--steps", "2"], "--steps is an option of `lslm bench ddp / tp`"),
+                                             "pipeline / zero`"),
+    (["bench", "collectives", "--steps", "2"], "--steps is an option of `lslm bench ddp / tp / zero`"),
     (["bench", "launch", "--frobnicate"], "unknown option --frobnicate for `lslm bench launch`"),
     (["bench", "ddp", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["bench", "tp", "--nprocs", "1"], "must be an integer >= 2 (tensor parallelism needs peers), got 1"),
     (["bench", "tp", "--nprocs", "3"], "n_head=8 does not split over tp=3"),
     (["bench", "ddp", "--no-sp"], "--no-sp is an option of `lslm bench tp`, not of `lslm bench ddp`"),
-    (["bench"], "required: {launch,collectives,ddp,tp,pipeline}"),
+    (["bench"], "required: {launch,collectives,ddp,tp,pipeline,zero}"),
+    (["bench", "zero", "--nprocs", "1"], "must be an integer >= 2 (ZeRO partitions over data-parallel peers), got 1"),
+    (["bench", "zero", "--entries", "deepspeed"], "unknown entries ['deepspeed']"),
     (["bench", "pipeline", "--nprocs", "1"], "must be an integer >= 2 (a pipeline needs at least two stages), got 1"),
     (["bench", "pipeline", "--microbatches", "0"], "argument --microbatches: must be an integer >= 1, got 0"),
-    (["bench", "pipeline", "--steps", "2"], "--steps is an option of `lslm bench ddp / tp`, not of `lslm bench "
-                                            "pipeline`"),
+    (["bench", "pipeline", "--steps", "2"], "--steps is an option of `lslm bench ddp / tp / zero`, not of "
+                                            "`lslm bench pipeline`"),
 ])
 def test_bench_refuses_bad_settings_before_any_launch(argv: list[str], message: str, no_launch: list[Any],
                                                       capsys: pytest.CaptureFixture[str]) -> None:

@@ -77,6 +77,7 @@ SMALLEST: dict[str, tuple[str | dict[str, str], str]] = {
     "lslm bench ddp": ("--quick --nprocs 2 --steps 1 --sweep-mb 1", "the full bench takes minutes"),
     "lslm bench tp": ("--quick --nprocs 2 --steps 1", "the full bench takes a minute"),
     "lslm bench pipeline": ("--quick --nprocs 2 --microbatches 4", "the full bench takes minutes"),
+    "lslm bench zero": ("--quick --nprocs 2 --steps 1", "the full bench takes minutes"),
     "python -m lslm.bench.ledger": ("--calls 20 --rounds 1", "15 rounds of 2,000 calls take seconds; 1 of 20 show "
                                                               "the table and the files written"),
     "python -m lslm.bench.init_memory": ("--quick --sizes 2", "an 8.4 M-parameter GPT at 1, 2 and 4 ranks takes a "
@@ -289,7 +290,7 @@ def test_recipes_smallest(in_tmp: Path) -> None:
         assert out.returncode == 0, f"{command}\n{out.stderr[-3000:]}"
 
 
-@pytest.mark.parametrize("name", ["collectives", "launch", "ddp", "tp", "pipeline"])
+@pytest.mark.parametrize("name", ["collectives", "launch", "ddp", "tp", "pipeline", "zero"])
 def test_bench_smallest(name: str, in_tmp: Path) -> None:
     rc, out = _run_lslm(_argv(f"lslm bench {name}"))
     assert rc == 0, out

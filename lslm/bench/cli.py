@@ -1,4 +1,4 @@
-"""``lslm bench launch|collectives|ddp|tp|pipeline``: the bench part of the ``lslm`` command (see :mod:`lslm.cli`).
+"""``lslm bench launch|collectives|ddp|tp|pipeline|zero``: the bench part of the ``lslm`` command (see :mod:`lslm.cli`).
 
 Each bench is its own sub-command with only the options it uses, so ``lslm bench ddp --help``
 lists ddp's options and an option of another bench is an error that names the bench it
@@ -122,6 +122,19 @@ def _pipeline_options(p: argparse.ArgumentParser) -> None:
     _device(p)
 
 
+def _zero_options(p: argparse.ArgumentParser) -> None:
+    _nprocs(p, 2, "ZeRO partitions over data-parallel peers")
+    p.add_argument("--steps", type=_int_at_least(1), default=None,
+                   help="timed training steps per entry (default: 10; 2 with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, few steps: checks structure, memory and counts, timings meaningless")
+    p.add_argument("--entries", nargs="+", default=None, metavar="ENTRY",
+                   help="which entries to run (default: all: ddp zero1 zero2 zero3 zero3-offload torch-zero1 fsdp2 "
+                        "fsdp2-offload)")
+    _out(p, "zero")
+    _device(p)
+
+
 #: name -> (one-line help, what it measures, its options, an example)
 _BENCHES: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None], str]] = {
     "launch": ("start-up cost of a trivial job (lslm.launch wall time)",
@@ -151,6 +164,13 @@ _BENCHES: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None], s
                  "in one launch per world size (= pipeline size), at each number of micro-batches; reports step "
                  "times, the lslm / torch ratio, and lslm's measured bubble fraction next to the simulated one.",
                  _pipeline_options, "lslm bench pipeline --quick --nprocs 2 --microbatches 4"),
+    "zero": ("lslm's ZeRO stages 1-3 (and CPU offload) next to torch DDP, ZeroRedundancyOptimizer and FSDP2",
+             "Trains the same GPT with torch DDP, lslm's ZeroOptimizer at stages 1, 2, 3 and 3 with CPU offload, "
+             "torch's ZeroRedundancyOptimizer and FSDP2 fully_shard (with and without CPUOffloadPolicy), "
+             "round-robin in one launch per world size; reports step time and its phases, model-state bytes per "
+             "rank by owner, lslm's reduce-scatter and all-gather bytes per step, and the lslm / peer step-time "
+             "ratios (stage 1 / ZeroRedundancyOptimizer, stage 3 / FSDP2).",
+             _zero_options, "lslm bench zero --quick --nprocs 2"),
 }
 
 
@@ -166,7 +186,7 @@ BENCH_OPTIONS: dict[str, set[str]] = {name: _option_strings(spec[2]) for name, s
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add one sub-command per bench to ``p`` (the ``lslm bench`` parser), each with its own options."""
-    sub = p.add_subparsers(dest="name", required=True, metavar="{launch,collectives,ddp,tp,pipeline}",
+    sub = p.add_subparsers(dest="name", required=True, metavar="{launch,collectives,ddp,tp,pipeline,zero}",
                            title="benches", description="run `lslm bench NAME --help` for the options of one")
     for name, (short, long, add, example) in _BENCHES.items():
         sp = sub.add_parser(name, help=short, description=textwrap.fill(long, 80), formatter_class=_RAW,
@@ -210,6 +230,11 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                                                         n_embd=ns.n_embd)
             pipeline.run(tuple(ns.nprocs), tuple(ns.microbatches), quick=ns.quick, repeats=ns.repeats,
                          warmup=ns.warmup, out_dir=out_dir, device=ns.device, model=model, batch=ns.batch)
+        elif ns.name == "zero":
+            from lslm.bench import zero
+
+            zero.run(tuple(ns.nprocs), quick=ns.quick, steps=ns.steps, out_dir=out_dir, device=ns.device,
+                     **({"entries": tuple(ns.entries)} if ns.entries else {}))
         elif ns.name == "tp":
             from lslm.bench import tp
 

@@ -1,0 +1,40 @@
+"""lslm bench zero (quick): every entry trains the same run, and the model-state bytes fall stage by stage."""
+
+from __future__ import annotations
+
+import pytest
+
+from lslm.bench import zero
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("bench-zero")
+    res = zero.run((2,), quick=True, steps=1, out_dir=out)[2]
+    assert {p.name for p in out.iterdir()} == {"zero.txt", "zero.json", "zero.png"}
+    return res
+
+
+def test_every_entry_trains_the_same_run_as_ddp(result: dict) -> None:
+    assert [r["entry"] for r in result["rows"]] == list(zero.ENTRIES)
+    for r in result["rows"]:  # fp32 at 2 ranks: one order for every sum, the same AdamW arithmetic
+        assert r["max_loss_diff_vs_ddp"] == 0.0, r["entry"]
+
+
+def test_model_states_per_rank_follow_the_stages(result: dict) -> None:
+    rows = {r["entry"]: r for r in result["rows"]}
+    psi = result["num_parameters"]
+
+    def total(e: str) -> int:
+        r = rows[e]
+        return r["params_bytes"] + r["grads_bytes"] + r["masters_bytes"] + r["optimizer_bytes"]
+
+    # fp32 AdamW at N = 2: DDP 16 bytes/param (4 + 4 + 8), stage 1 4 + 4 + 8/2, stage 2 4 + (4 + 8)/2, stage 3 16/2,
+    # plus padding (under N elements per bucket) and Adam's 4-byte step per tensor or piece.
+    for entry, per_param in (("ddp", 16), ("zero1", 12), ("zero2", 10), ("zero3", 8), ("fsdp2", 8)):
+        assert per_param * psi <= total(entry) < per_param * psi + 4096, entry
+    assert rows["zero3-offload"]["masters_bytes"] == rows["zero3"]["params_bytes"]  # fp32 host copies of the slice
+    # lslm's traffic per step: the whole gradient reduce-scattered; stage 3 gathers blocks twice (forward, backward)
+    assert rows["zero1"]["rs_bytes"] == rows["zero1"]["ag_bytes"] >= 4 * psi
+    assert rows["zero3"]["ag_bytes"] > rows["zero3"]["rs_bytes"]
+    assert rows["zero3-offload"]["offload_bytes"]["to_host"] == rows["zero3-offload"]["masters_bytes"]
