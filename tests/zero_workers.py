@@ -118,11 +118,13 @@ def _max_diff(a: nn.Module, b: nn.Module) -> float:
 
 def _run_zero(ctx: ParallelContext, serial: GPT, batches: list, *, stage: int = 1, dtype: torch.dtype = torch.float32,
               bucket_cap_mb: float | None = 0.02, clip: float | None = None, accum: int = 1,
-              reshard: bool = True, offload: str | None = None) -> tuple[GPT, ZeroOptimizer, list[bool]]:
+              reshard: bool = True, offload: str | None = None,
+              offload_dir: str | None = None) -> tuple[GPT, ZeroOptimizer, list[bool]]:
     model = copy.deepcopy(serial)
     scaler = DynamicLossScaler(init_scale=2.0 ** 10) if dtype == torch.float16 else None
     zero = ZeroOptimizer(model, _adamw(model), ctx, stage=stage, dtype=dtype, scaler=scaler,
-                         bucket_cap_mb=bucket_cap_mb, reshard_after_forward=reshard, offload=offload)
+                         bucket_cap_mb=bucket_cap_mb, reshard_after_forward=reshard, offload=offload,
+                         offload_dir=offload_dir, disk_chunk_mb=0.02)
     stepped = []
     for x, y in batches:
         zero.zero_grad()
@@ -177,6 +179,19 @@ def checkpoints(ctx: ParallelContext, serial: GPT, batches: list, folder: str) -
         if stage == 1 and dtype == torch.float32 and rank == 0:
             full = consolidate(where)  # fp32 from the files alone, no process group
             out["consolidated_exact"] = all(torch.equal(full[n], at_save[n]) for n in at_save)
+    # Under disk offload the states come from, and go back to, the files.
+    kw = dict(offload="disk", offload_dir=str(root / f"w{world}" / "disk-a"), disk_chunk_mb=0.02)
+    model_d = copy.deepcopy(serial)
+    zero_d = ZeroOptimizer(model_d, _adamw(model_d), ctx, stage=2, bucket_cap_mb=0.02, **kw)
+    _train(zero_d, model_d, batches[:2], world, rank)
+    where = save_zero(zero_d, root / f"w{world}" / "disk" / "step2", step=2)
+    _train(zero_d, model_d, batches[2:], world, rank)
+    model_e = copy.deepcopy(serial)
+    zero_e = ZeroOptimizer(model_e, _adamw(model_e), ctx, stage=2, bucket_cap_mb=0.02,
+                           **{**kw, "offload_dir": str(root / f"w{world}" / "disk-b")})
+    load_zero(zero_e, where)
+    _train(zero_e, model_e, batches[2:], world, rank)
+    out["resume_disk"] = _max_diff(model_d, model_e)
     other = root / "w2" / "stage1-float32" / "step2"
     if world != 2 and other.exists():  # resharding: a 2-rank checkpoint continues at this world size
         model_r, zero_r = _fresh(ctx, serial, 1)
@@ -272,6 +287,21 @@ def suite(folder: str | None = None) -> dict[str, Any]:
         out[f"offload_{tag}_owned"] = zo.layout.param_numel
         out[f"offload_{tag}_states_on"] = sorted({t.device.type for st in zo.state.values() for t in st.values()
                                                   if isinstance(t, torch.Tensor)} | {m.device.type for m in zo.masters})
+    if folder is not None:  # ZeRO-Infinity-style: states in files, streamed in chunks through memory
+        from pathlib import Path
+
+        for stage in (1, 3):
+            disk_dir = str(Path(folder) / f"disk-w{world}-stage{stage}")
+            plain, zp, _ = _run_zero(ctx, serial, batches, stage=stage, clip=0.05)
+            ondisk, zd, _ = _run_zero(ctx, serial, batches, stage=stage, clip=0.05, offload="disk",
+                                      offload_dir=disk_dir)
+            out[f"disk_stage{stage}_diff"] = _max_diff(_params(zp, plain), _params(zd, ondisk))
+            out[f"disk_stage{stage}_chunks"] = len(zd.disk.chunks)
+            out[f"disk_stage{stage}_moved"] = dict(zd.disk.bytes_moved)
+            out[f"disk_stage{stage}_resident_states"] = sum(
+                t.numel() for st in zd.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim())
+            out[f"disk_stage{stage}_owned"] = zd.layout.param_numel
+            zd.disk.close()
     if folder is not None:
         out["checkpoints"] = checkpoints(ctx, serial, _batches(world) + _batches(world)[:1], folder)
     out["buckets"] = len(zero.grad_buffer.buckets)

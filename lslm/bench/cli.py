@@ -129,8 +129,8 @@ def _zero_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="tiny model, few steps: checks structure, memory and counts, timings meaningless")
     p.add_argument("--entries", nargs="+", default=None, metavar="ENTRY",
-                   help="which entries to run (default: all: ddp zero1 zero2 zero3 zero3-offload torch-zero1 fsdp2 "
-                        "fsdp2-offload)")
+                   help="which entries to run (default: all: ddp zero1 zero2 zero3 zero3-offload zero3-disk "
+                        "torch-zero1 fsdp2 fsdp2-offload)")
     _out(p, "zero")
     _device(p)
 

@@ -2,7 +2,8 @@
 
 One job per world size (every rank data-parallel). Every rank builds the same GPT from one
 seed and, in turn, each entry: torch ``DistributedDataParallel`` (the baseline), lslm's
-:class:`~lslm.zero.optimizer.ZeroOptimizer` at stages 1, 2, 3 and 3 with CPU offload,
+:class:`~lslm.zero.optimizer.ZeroOptimizer` at stages 1, 2, 3, and 3 with CPU offload and with disk offload (states in
+files in a temporary folder, streamed in chunks),
 torch's ``ZeroRedundancyOptimizer`` over DDP (ZeRO-1 by whole parameters), FSDP2
 ``fully_shard`` per block then the root (ZeRO-3 by per-parameter dim-0 chunks), and FSDP2
 with ``CPUOffloadPolicy(pin_memory=False)``. All train fp32 AdamW (``foreach=False``) on the
@@ -22,6 +23,7 @@ part of this environment yet).
 from __future__ import annotations
 
 import copy
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,7 @@ BENCH_MODEL = dict(vocab_size=2048, block_size=64, n_layer=6, n_head=6, n_embd=1
 BENCH_ROWS = 4  # rows per rank, 64 tokens each
 QUICK_MODEL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
 QUICK_ROWS = 2
-ENTRIES = ("ddp", "zero1", "zero2", "zero3", "zero3-offload", "torch-zero1", "fsdp2", "fsdp2-offload")
+ENTRIES = ("ddp", "zero1", "zero2", "zero3", "zero3-offload", "zero3-disk", "torch-zero1", "fsdp2", "fsdp2-offload")
 PHASES = {"forward": ("start", "forward_end"), "backward": ("forward_end", "backward_end"),
           "optimizer": ("backward_end", "end")}
 MIB = 1024 * 1024
@@ -65,7 +67,9 @@ def _entry(kind: str, serial: Any, ctx: Any) -> tuple[Any, Any, Any]:
 
     net = copy.deepcopy(serial).to(ctx.device)
     if kind.startswith("zero"):
-        opt = ZeroOptimizer(net, _adamw(net), ctx, stage=int(kind[4]), offload="cpu" if "offload" in kind else None)
+        offload = "cpu" if "offload" in kind else "disk" if "disk" in kind else None
+        folder = tempfile.mkdtemp(prefix="lslm-bench-zero-") if offload == "disk" else None
+        opt = ZeroOptimizer(net, _adamw(net), ctx, stage=int(kind[4]), offload=offload, offload_dir=folder)
 
         def step(timer: StepTimer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             opt.zero_grad()
@@ -182,6 +186,7 @@ def worker(model: dict[str, Any], rows: int, entries: list[str], steps: int = 10
                 "rs_bytes": sum(r.nbytes for r in recs if r.label == REDUCE_SCATTER_LABEL) if lslm_sees else None,
                 "ag_bytes": sum(r.nbytes for r in recs if r.label == GATHER_LABEL) if lslm_sees else None,
                 "offload_bytes": dict(opt.offload_bytes) if lslm_sees else None,
+                "disk_bytes": dict(opt.disk.bytes_moved) if lslm_sees and opt.disk is not None else None,
                 **_memory(kind, net, opt)})
         result = {"world": world, "model": model, "rows_per_rank": rows, "steps": steps, "warmup": warmup,
                   "threads": torch.get_num_threads(), "backend": ctx.backend, "device": str(dev),
@@ -199,7 +204,7 @@ def ratios(result: dict[str, Any]) -> dict[str, float]:
     """Median step-time ratios lslm / peer at one world size, for the pairs present."""
     out = {}
     for ours, peer in (("zero1", "torch-zero1"), ("zero3", "fsdp2"), ("zero3-offload", "fsdp2-offload"),
-                       ("zero1", "ddp")):
+                       ("zero1", "ddp"), ("zero3-disk", "zero3")):
         a, b = _row(result, ours), _row(result, peer)
         if a is not None and b is not None:
             out[f"{ours}/{peer}"] = a["step_ms"] / b["step_ms"]

@@ -68,8 +68,10 @@ class ZeroConfig(TrainConfig):
                                              "(FSDP2's reshard_after_forward=False: 2 instead of 3 x the parameters "
                                              "moved per step, more memory)")
     bucket_cap_mb: float = option(25.0, help="MiB per gradient bucket (one reduce-scatter and all-gather each)", gt=0)
-    offload: str | None = option(None, choices=(None, "cpu"), help="cpu: fp32 masters, optimizer states and the "
-                                 "step in host memory (ZeRO-Offload); gradients down and weights up each step")
+    offload: str | None = option(None, choices=(None, "cpu", "disk"), help="cpu: fp32 masters, optimizer states and "
+                                 "the step in host memory (ZeRO-Offload); disk: those states in files under "
+                                 "--offload-dir, streamed through memory in chunks during the step (ZeRO-Infinity)")
+    offload_dir: str | None = option(None, help="--offload disk: a folder on a local disk for the states")
     checkpoint_dir: str | None = option(None, help="folder of sharded checkpoints, one sub-folder per saved step")
     save_every: int = option(0, help="save a sharded checkpoint every this many steps (0: never)", ge=0)
     resume: bool = option(False, help="continue from the latest complete checkpoint in --checkpoint-dir, at any "
@@ -79,6 +81,8 @@ class ZeroConfig(TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.offload == "disk" and not self.offload_dir:
+            raise ValueError("--offload disk needs --offload-dir, a writable folder on a local disk")
         if (self.save_every or self.resume) and not self.checkpoint_dir:
             raise ValueError("--save-every and --resume need --checkpoint-dir (the folder of the checkpoints)")
 
@@ -101,7 +105,7 @@ def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
     optimizer = ZeroOptimizer(model, adamw(list(model.parameters()), cfg), ctx, stage=cfg.stage, dtype=dtype,
                               scaler=scaler, grad_dtype=resolve_grad_dtype(cfg.grad_reduce_dtype, dtype),
                               bucket_cap_mb=cfg.bucket_cap_mb, reshard_after_forward=not cfg.keep_gathered,
-                              offload=cfg.offload)
+                              offload=cfg.offload, offload_dir=cfg.offload_dir)
     blocks = token_blocks(cfg.block_size, cfg.vocab_size)
     sampler = make_sampler(blocks, "baseline", rank=ctx.dp_rank, world_size=dp, seed=cfg.seed)
     loader = DataLoader(blocks, batch_size=cfg.batch_size // dp, sampler=sampler, drop_last=True)
@@ -134,7 +138,9 @@ def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
         traffic.update(rs_bytes=rs, ag_bytes=ag, other_comm_bytes=sum(r.nbytes for r in recs) - rs - ag,
                        loss_scale=float(optimizer.loss_scale), stepped=float(stepped),
                        offload_to_host_bytes=optimizer.offload_bytes["to_host"],
-                       offload_to_device_bytes=optimizer.offload_bytes["to_device"])
+                       offload_to_device_bytes=optimizer.offload_bytes["to_device"],
+                       disk_read_bytes=optimizer.disk.bytes_moved["from_disk"] if optimizer.disk else 0,
+                       disk_write_bytes=optimizer.disk.bytes_moved["to_disk"] if optimizer.disk else 0)
         done[0] += 1
         if cfg.save_every and done[0] % cfg.save_every == 0:
             save_zero(optimizer, Path(cfg.checkpoint_dir) / f"step{done[0]:06d}", step=done[0])

@@ -55,12 +55,16 @@ def _shapes(zero: ZeroOptimizer) -> list[list[int]]:
     return [list(s) for s in zero.shapes]
 
 
-def _piece_states(zero: ZeroOptimizer) -> list[dict[str, Any]]:
-    """Per piece: the optimizer state tensors of the piece's shape (sliceable) and the scalars (copied as they are)."""
+def _piece_values(zero: ZeroOptimizer) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    """Per piece: its fp32 master and optimizer state (tensors of the piece's shape are sliceable; scalars are
+    copied as they are), read from the files under disk offload."""
+    if zero.disk is not None:
+        return zero.disk.read_all()
     out = []
     for m in zero.masters:
         state = zero.optimizer.state.get(m, {}) if zero.optimizer is not None else {}
-        out.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()})
+        out.append((m.detach().float().clone(),
+                    {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}))
     return out
 
 
@@ -76,9 +80,9 @@ def save_zero(zero: ZeroOptimizer, folder: str | Path, *, step: int, extra: Mapp
         raise ValueError(f"{folder} already holds a complete checkpoint; save to a new folder (one per step)")
     names = _names(zero)
     pieces = []
-    for pc, m, state in zip(zero.layout.pieces, zero.masters, _piece_states(zero)):
-        pieces.append({"param": names[pc.param], "start": pc.start, "stop": pc.stop,
-                       "master": m.detach().float().clone(), "state": state})
+    for pc, (master, state) in zip(zero.layout.pieces, _piece_values(zero)):
+        pieces.append({"param": names[pc.param], "start": pc.start, "stop": pc.stop, "master": master,
+                       "state": state})
     payload = {"format": FORMAT, "rank": zero.rank, "world": zero.world, "pieces": pieces,
                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in zero.param_groups],
                "scaler": zero.scaler.state_dict() if zero.scaler is not None else None}
@@ -177,7 +181,9 @@ def load_zero(zero: ZeroOptimizer, folder: str | Path) -> dict[str, Any]:
     mine = [(names[pc.param], pc.start, pc.stop) for pc in zero.layout.pieces]
     needed = [rec for rec in manifest["shards"]
               if any(n == p and a < z2 and s < b for n, s, b in mine for p, a, z2 in rec["ranges"])]
-    states = _piece_states(zero)
+    values = _piece_values(zero)
+    masters = [v[0] for v in values]
+    states = [v[1] for v in values]
     filled = [0] * len(mine)
     shard_scalars: dict[str, Any] = {}
     scaler_state = None
@@ -191,11 +197,11 @@ def load_zero(zero: ZeroOptimizer, folder: str | Path) -> dict[str, Any]:
                     continue
                 src = slice(lo - piece["start"], hi - piece["start"])
                 dst = slice(lo - s, hi - s)
-                zero.masters[k][dst].copy_(piece["master"][src])
+                masters[k][dst].copy_(piece["master"][src])
                 for key, value in piece["state"].items():
                     if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == piece["stop"] - \
                             piece["start"]:
-                        states[k].setdefault(key, torch.zeros(b - s, dtype=value.dtype, device=zero.masters[k].device))
+                        states[k].setdefault(key, torch.zeros(b - s, dtype=value.dtype, device=masters[k].device))
                         states[k][key][dst].copy_(value[src])
                     else:
                         shard_scalars[key] = value  # step counts: the same for every piece
@@ -203,11 +209,23 @@ def load_zero(zero: ZeroOptimizer, folder: str | Path) -> dict[str, Any]:
     missing = [m for m, f in zip(mine, filled) if f != m[2] - m[1]]
     if missing:
         raise ValueError(f"the checkpoint in {folder} does not cover {missing[0]} (its shards' ranges leave a gap)")
-    if zero.optimizer is not None:
-        for m, state in zip(zero.masters, states):
-            for key, value in shard_scalars.items():
-                state[key] = value.clone() if isinstance(value, torch.Tensor) else value
-            zero.optimizer.state[m] = state
+    for state in states:
+        for key, value in shard_scalars.items():
+            state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    if zero.disk is not None:  # the states go back to their files; the weights go up from the loaded masters
+        zero.disk.write_all(list(zip(masters, states)))
+        for view, master in zip(zero._owned, masters):
+            view.copy_(master)
+        if zero.optimizer is not None:  # only the scalars (Adam's step) stay resident, as after a step
+            for m, master, state in zip(zero.masters, masters, states):
+                zero.optimizer.state[m] = {k: v for k, v in state.items() if not (
+                    isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == master.numel())}
+    else:
+        for m, master in zip(zero.masters, masters):
+            m.copy_(master)
+        if zero.optimizer is not None:
+            for m, state in zip(zero.masters, states):
+                zero.optimizer.state[m] = state
     if zero.scaler is not None and scaler_state is not None:
         zero.scaler.load_state_dict(scaler_state)
     zero._publish()

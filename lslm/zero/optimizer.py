@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ from lslm.data_parallel.grad_buffer import GradBuffer, has_main_grad
 from lslm.data_parallel.grad_sync import attach_grad_buffers
 from lslm.precision.scaler import DynamicLossScaler
 from lslm.runtime.context import ParallelContext
+from lslm.zero.disk import DiskStates
 from lslm.zero.layout import ShardLayout, shard_layout, unit_layout
 
 __all__ = ["GATHER_LABEL", "NORM_LABEL", "OFFLOADS", "REDUCE_SCATTER_LABEL", "STAGES", "ZeroOptimizer"]
@@ -65,8 +67,9 @@ GATHER_LABEL = "zero params all-gather"
 NORM_LABEL = "zero grad norm"
 
 STAGES = (1, 2, 3)
-#: Where the optimizer's states may live: with the parameters (``None``) or in host memory (``"cpu"``).
-OFFLOADS = (None, "cpu")
+#: Where the optimizer's states may live: with the parameters (``None``), in host memory (``"cpu"``) or in files
+#: streamed through host memory during the step (``"disk"``).
+OFFLOADS = (None, "cpu", "disk")
 
 
 class ZeroOptimizer:
@@ -91,6 +94,9 @@ class ZeroOptimizer:
     up (in the model's dtype), counted in :attr:`offload_bytes`. On a CPU-only machine host and
     device are one memory: the same code runs and the copies are real, but no bus is crossed,
     so what it measures is the copies' cost and the bytes, not a PCIe transfer.
+    ``offload="disk"`` (ZeRO-Infinity's NVMe offload, Rajbhandari et al. 2021): the masters and
+    optimizer states live in files under ``offload_dir`` and stream through host memory
+    during the step in chunks of ``disk_chunk_mb`` (:mod:`lslm.zero.disk`).
 
     Interface of :class:`~lslm.precision.master.MixedPrecisionOptimizer`: ``zero_grad()``,
     ``scale_loss(loss)``, ``backward(loss)``, ``step(max_grad_norm) -> bool`` (False when an
@@ -103,7 +109,8 @@ class ZeroOptimizer:
                  stage: int = 1, dtype: torch.dtype = torch.float32, scaler: DynamicLossScaler | None = None,
                  grad_dtype: torch.dtype = torch.float32, bucket_cap_mb: float | None = 25.0,
                  max_inflight: int = 2, units: list[nn.Module] | None = None,
-                 reshard_after_forward: bool = True, offload: str | None = None) -> None:
+                 reshard_after_forward: bool = True, offload: str | None = None,
+                 offload_dir: str | Path | None = None, disk_chunk_mb: float = 16.0) -> None:
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage {stage!r} is not implemented here; choose one of {STAGES}")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -128,6 +135,8 @@ class ZeroOptimizer:
                              "data-parallel size")
         if offload not in OFFLOADS:
             raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
+        if offload == "disk" and offload_dir is None:
+            raise ValueError("offload='disk' needs offload_dir, a writable folder on a local disk for the states")
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
             raise ValueError(f"max_inflight must be an int >= 1 (buckets reduced at once), got {max_inflight!r}")
         self.model, self.ctx, self.stage, self.dtype, self.scaler = model, ctx, stage, dtype, scaler
@@ -213,6 +222,7 @@ class ZeroOptimizer:
         self._owned = owned
         self.masters = masters
         self._grads_fp32 = grad_dtype == torch.float32
+        self._grad_list: list[torch.Tensor] = []
         # The inner optimizer: same class, hyper-parameters and groups, over this rank's pieces.
         groups = []
         for g in optimizer.param_groups:
@@ -224,6 +234,11 @@ class ZeroOptimizer:
         accepted = inspect.signature(type(optimizer).__init__).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         self.optimizer: torch.optim.Optimizer | None = type(optimizer)(groups, **defaults) if groups else None
+        #: ZeRO-Infinity-style: masters and states in files under offload_dir (one folder per rank), or None.
+        self.disk: DiskStates | None = None
+        if offload == "disk":
+            self.disk = DiskStates(Path(offload_dir) / f"rank{self.rank:05d}-of-{self.world:05d}", masters,
+                                   cap_bytes(disk_chunk_mb))
         # Stages 2-3: gradients leave autograd bucket by bucket during backward (see _on_grad).
         self._hooks: list[Any] = []
         if stage >= 2:
@@ -440,11 +455,14 @@ class ZeroOptimizer:
             nonblocking = self.device.type == "cuda"
             for m, g, host in zip(self.masters, self._piece_grads, self._host_grads):
                 host.copy_(g, non_blocking=nonblocking)
-                m.grad = host
+                if self.disk is None:  # from disk, a master is attached when its chunk is in memory
+                    m.grad = host
             self.offload_bytes["to_host"] = sum(h.numel() * 4 for h in self._host_grads)
+            self._grad_list = list(self._host_grads)
             return
         for m, g in zip(self.masters, self._piece_grads):
             m.grad = g if self._grads_fp32 else g.float()
+        self._grad_list = [m.grad for m in self.masters]
 
     def _clip(self, slices: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         # Each element of the model is in exactly one rank's slice: squared norms add over the group.
@@ -455,9 +473,8 @@ class ZeroOptimizer:
         self.ctx.comm.all_reduce(sq, group=self.group, label=NORM_LABEL)
         total = sq.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for m in self.masters:
-            if m.grad is not None:
-                m.grad.mul_(coef)
+        for g in self._grad_list:
+            g.mul_(coef.to(g.device))
         return total[0]
 
     def step(self, max_grad_norm: float | None = None, *, clip: Callable[..., Any] | None = None) -> bool:
@@ -477,7 +494,9 @@ class ZeroOptimizer:
             self._attach_master_grads()
             if max_grad_norm is not None and max_grad_norm > 0:
                 self.last_grad_norm = float(self._clip(slices, max_grad_norm))
-            if self.optimizer is not None:
+            if self.disk is not None:
+                self.disk.walk(self.optimizer.state if self.optimizer is not None else {}, self._step_chunk)
+            elif self.optimizer is not None:
                 self.optimizer.step()
             self._publish()
         for m in self.masters:
@@ -486,10 +505,23 @@ class ZeroOptimizer:
             self.scaler.update(not stepped)
         return stepped
 
+    def _step_chunk(self, chunk: list[int]) -> None:
+        """Disk offload: step the pieces of one chunk (the only masters with a gradient now), send their weights up."""
+        for i in chunk:
+            self.masters[i].grad = self._host_grads[i]
+        if self.optimizer is not None:
+            self.optimizer.step()
+        with torch.no_grad():
+            for i in chunk:
+                self._owned[i].copy_(self.masters[i])
+                self.masters[i].grad = None
+
     @torch.no_grad()
     def _publish(self) -> None:
         comm = self.ctx.comm
-        if self.dtype != torch.float32 or self.offload:
+        if self.disk is not None:  # each chunk's weights went up as it was stepped
+            self.offload_bytes["to_device"] = sum(v.numel() * v.element_size() for v in self._owned)
+        elif self.dtype != torch.float32 or self.offload:
             for m, view in zip(self.masters, self._owned):
                 view.copy_(m)  # rounds to the model's dtype (and, offloaded, goes up from the host)
             if self.offload:
