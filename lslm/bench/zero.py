@@ -192,6 +192,9 @@ def worker(model: dict[str, Any], rows: int, entries: list[str], steps: int = 10
                   "threads": torch.get_num_threads(), "backend": ctx.backend, "device": str(dev),
                   "num_parameters": sum(p.numel() for p in serial.parameters()),
                   "process_peak_rss_bytes": peak_rss_bytes(), "rows": out_rows}
+        for _kind, _net, opt, _step in built:
+            if getattr(opt, "disk", None) is not None:
+                opt.disk.close(remove=True)  # the temporary offload folder
         torch.distributed.barrier()  # DTensor users may abort at exit without one (DESIGN §10)
     return {"rank": ctx.rank, **(result if ctx.rank == 0 else {})}
 
