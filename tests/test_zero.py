@@ -31,8 +31,10 @@ FP16_ATOL = 2.0 ** -10
 
 @pytest.fixture(scope="module")
 def suites(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    """One launch per world size, 2 then 3, sharing a checkpoint folder (3 ranks load what 2 saved)."""
+    """One launch per world size, 2 then 3, sharing a checkpoint folder: first 4 ranks save a checkpoint, which the
+    2-rank launch loads (4 -> 2), and 3 ranks load what 2 saved (2 -> 3)."""
     folder = tmp_path_factory.mktemp("zero-checkpoints")
+    run_workers("tests.zero_workers:save_at_four", 4, timeout=300, folder=str(folder))
     return {n: run_workers("tests.zero_workers:suite", n, timeout=300, folder=str(folder))[0] for n in (2, 3)}
 
 
@@ -169,6 +171,8 @@ def test_a_sharded_checkpoint_resumes_exactly_and_reshards(nproc: int, suites: d
     assert c["resume_disk"] == 0.0  # states read from the offload files into the checkpoint, and back
     assert "another model" in c["errors"]["other_model"]
     assert "already holds a complete checkpoint" in c["errors"]["overwrite"]
+    if nproc == 2:  # saved by 4 ranks at stage 3, loaded by 2 at stage 2: exactly, then as DDP goes on from it
+        assert c["reshard_4_exact"] and c["reshard_4_to_here"] <= ATOL
     if nproc == 3:  # saved by 2 ranks, loaded by 3: exactly the saved state, then the run DDP would make from it
         assert c["reshard_exact"]
         assert c["reshard_2_to_here"] <= ATOL

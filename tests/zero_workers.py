@@ -192,6 +192,26 @@ def checkpoints(ctx: ParallelContext, serial: GPT, batches: list, folder: str) -
     load_zero(zero_e, where)
     _train(zero_e, model_e, batches[2:], world, rank)
     out["resume_disk"] = _max_diff(model_d, model_e)
+    four = root / "w4" / "stage3-float32" / "step2"
+    if world == 2 and four.exists():  # 4 -> 2: a stage-3 checkpoint of 4 ranks, continued here at stage 2
+        params, state = consolidate(four, with_state=True)
+        model_f, zero_f = _fresh(ctx, serial, 2)
+        load_zero(zero_f, four)
+        out["reshard_4_exact"] = all(torch.equal(p.detach(), params[n]) for n, p in model_f.named_parameters())
+        plain = GPT(serial.config)
+        plain.load_state_dict(params)
+        opt = _adamw(plain)
+        for n, p in plain.named_parameters():
+            opt.state[p] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state[n].items()}
+        for x, y in batches[2:]:
+            opt.zero_grad()
+            plain(x.chunk(world)[rank], y.chunk(world)[rank])[1].backward()
+            for p in plain.parameters():
+                torch.distributed.all_reduce(p.grad)
+                p.grad /= world
+            opt.step()
+        _train(zero_f, model_f, batches[2:], world, rank)
+        out["reshard_4_to_here"] = _max_diff(model_f, plain)
     other = root / "w2" / "stage1-float32" / "step2"
     if world != 2 and other.exists():  # resharding: a 2-rank checkpoint continues at this world size
         model_r, zero_r = _fresh(ctx, serial, 1)
@@ -235,6 +255,22 @@ def checkpoints(ctx: ParallelContext, serial: GPT, batches: list, folder: str) -
             errors[name] = str(e)
     out["errors"] = errors
     return out
+
+
+def save_at_four(folder: str) -> dict[str, Any]:
+    """At 4 ranks: stage 3 for 2 steps, then a checkpoint in ``folder/w4`` (the 2-rank suite loads it: 4 -> 2)."""
+    from pathlib import Path
+
+    from lslm.zero.checkpoint import save_zero
+
+    ctx = init_distributed()
+    torch.manual_seed(0)
+    serial = GPT(GPTConfig(**CONFIG))
+    batches = _batches(ctx.world_size) + _batches(ctx.world_size)[:1]
+    model, zero = _fresh(ctx, serial, 3)
+    _train(zero, model, batches[:2], ctx.world_size, ctx.rank)
+    save_zero(zero, Path(folder) / "w4" / "stage3-float32" / "step2", step=2)
+    return {"rank": ctx.rank}
 
 
 def suite(folder: str | None = None) -> dict[str, Any]:

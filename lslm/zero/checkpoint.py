@@ -242,7 +242,7 @@ def consolidate(folder: str | Path, *, with_state: bool = False) -> Any:
     folder = Path(folder)
     manifest = read_manifest(folder)
     numel = {p["name"]: int(torch.Size(p["shape"]).numel()) for p in manifest["params"]}
-    flat = {n: torch.zeros(k, dtype=torch.float32) for n, k in numel.items()}
+    flat = {n: torch.zeros(k, dtype=torch.float32) for n, k in numel.items()}  # lslm: cpu-ok (one process, files)
     state: dict[str, dict[str, Any]] = {n: {} for n in numel}
     for rec in manifest["shards"]:
         for piece in _read_shard(folder, rec)["pieces"]:
@@ -250,7 +250,8 @@ def consolidate(folder: str | Path, *, with_state: bool = False) -> Any:
             flat[name][a:z].copy_(piece["master"])
             for key, value in piece["state"].items():
                 if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == z - a:
-                    state[name].setdefault(key, torch.zeros(numel[name], dtype=value.dtype))[a:z].copy_(value)
+                    whole = state[name].setdefault(key, torch.zeros(numel[name], dtype=value.dtype))  # lslm: cpu-ok (files)
+                    whole[a:z].copy_(value)
                 else:
                     state[name][key] = value
     shapes = {p["name"]: p["shape"] for p in manifest["params"]}

@@ -217,8 +217,8 @@ class ZeroOptimizer:
         if not half and not offload:  # the fp32 parameters' own slice is what the optimizer updates: no copy at all
             masters = owned
         # ZeRO-Offload: the gradient slices come down into these host buffers for the step on the host.
-        self._host_grads = [self._on_host(torch.empty(pc.numel, dtype=torch.float32)) for pc in self.layout.pieces] \
-            if offload else []
+        self._host_grads = [self._on_host(torch.empty(pc.numel, dtype=torch.float32, device=self.host))
+                            for pc in self.layout.pieces] if offload else []
         self._owned = owned
         self.masters = masters
         self._grads_fp32 = grad_dtype == torch.float32
