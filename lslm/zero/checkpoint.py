@@ -250,8 +250,8 @@ def consolidate(folder: str | Path, *, with_state: bool = False) -> Any:
             flat[name][a:z].copy_(piece["master"])
             for key, value in piece["state"].items():
                 if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == z - a:
-                    whole = state[name].setdefault(key, torch.zeros(numel[name], dtype=value.dtype))  # lslm: cpu-ok (files)
-                    whole[a:z].copy_(value)
+                    zeros = torch.zeros(numel[name], dtype=value.dtype)  # lslm: cpu-ok (one process, files)
+                    state[name].setdefault(key, zeros)[a:z].copy_(value)
                 else:
                     state[name][key] = value
     shapes = {p["name"]: p["shape"] for p in manifest["params"]}
