@@ -224,3 +224,20 @@ def test_disk_offload_streams_the_states_through_memory_with_the_same_arithmetic
         # every fp32 master and both moments read and written once per step (torch.save's framing on top)
         assert 12 * owned < moved["from_disk"] < 12 * owned + 64 * 1024
         assert moved["to_disk"] == moved["from_disk"]
+
+
+def test_a_checkpoint_exports_to_torch_distributed_checkpoint(suites: dict,
+                                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from lslm.zero.checkpoint import consolidate, export_dcp
+
+    saved = next(tmp_path_factory.getbasetemp().glob("zero-checkpoints*/w2/stage1-float32/step2"))
+    out = tmp_path_factory.mktemp("dcp")
+    export_dcp(saved, out / "dcp")
+    dcp_to_torch_save(str(out / "dcp"), str(out / "back.pt"))  # PyTorch's own reader, back to one file
+    back = torch.load(out / "back.pt", weights_only=True)
+    params, state = consolidate(saved, with_state=True)
+    assert back["model"].keys() == params.keys()
+    assert all(torch.equal(back["model"][n], params[n]) for n in params)
+    assert all(torch.equal(back["optim"][n]["exp_avg_sq"], state[n]["exp_avg_sq"]) for n in params)

@@ -17,7 +17,8 @@ size and hash (a truncated or corrupted file is refused, naming it), and copies 
 into its masters and optimizer state. So a checkpoint written at ``N`` ranks loads at any
 ``M`` (2 -> 3, 4 -> 2): resharding is a matter of element ranges, because a slice is a range
 of the flattened parameters. :func:`consolidate` rebuilds full fp32 parameters in one process
-(the "zero_to_fp32" question).
+(the "zero_to_fp32" question) and :func:`export_dcp` writes it in PyTorch's distributed-checkpoint
+format, which FSDP2 loads at any world size.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ import torch
 from lslm.runtime.files import atomic_write_bytes
 from lslm.zero.optimizer import ZeroOptimizer
 
-__all__ = ["FORMAT", "MANIFEST", "consolidate", "latest_checkpoint", "load_zero", "read_manifest", "save_zero",
-           "shard_name"]
+__all__ = ["FORMAT", "MANIFEST", "consolidate", "export_dcp", "latest_checkpoint", "load_zero", "read_manifest",
+           "save_zero", "shard_name"]
 
 FORMAT = "lslm-zero/1"
 MANIFEST = "manifest.json"
@@ -260,3 +261,23 @@ def consolidate(folder: str | Path, *, with_state: bool = False) -> Any:
         return params
     return params, {n: {k: (v.view(shapes[n]) if isinstance(v, torch.Tensor) and v.numel() == numel[n] and v.dim() == 1
                             else v) for k, v in st.items()} for n, st in state.items()}
+
+
+def export_dcp(folder: str | Path, dcp_dir: str | Path) -> Path:
+    """Write the checkpoint in ``folder`` as a ``torch.distributed.checkpoint`` (DCP) folder; return it.
+
+    The state dict is ``{"model": {name: fp32 tensor}, "optim": {name: {state key: tensor}}}`` from
+    :func:`consolidate` (one process, no process group), converted with PyTorch's
+    ``format_utils.torch_save_to_dcp``: FSDP2 or any DCP reader loads it at whatever world size
+    (``dcp.load`` reshards), and ``format_utils.dcp_to_torch_save`` turns it back into one file.
+    """
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+
+    params, state = consolidate(folder, with_state=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        whole = Path(tmp) / "consolidated.pt"
+        torch.save({"model": params, "optim": state}, whole)
+        torch_save_to_dcp(str(whole), str(dcp_dir))
+    return Path(dcp_dir)
