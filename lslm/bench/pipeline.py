@@ -127,9 +127,11 @@ def p2p_seconds(fit: dict[str, float] | None, nbytes: int) -> float:
     return float(fit["alpha_s"]) + nbytes * float(fit["beta_s_per_byte"])
 
 
-def predict_step_s(schedule: Any, stage_costs: dict[int, dict[str, float]], message_s: float) -> float:
+def predict_step_s(schedule: Any, stage_costs: dict[int, dict[str, float]], message_s: float,
+                   sends: str = "eager") -> float:
     """The time model's step (seconds): the simulated makespan of ``schedule`` with each stage's measured costs,
-    every p2p message ``message_s`` (eager sends) and one more message for the loss broadcast (module doc)."""
+    every p2p message ``message_s`` (``sends``: the simulator's send mode, eager by default, module doc) and one
+    more message for the loss broadcast."""
     from lslm.pipeline.simulator import simulate
 
     pooled: dict[str, list[float]] = {}
@@ -137,7 +139,7 @@ def predict_step_s(schedule: Any, stage_costs: dict[int, dict[str, float]], mess
         for k, c in kinds.items():
             pooled.setdefault(k, []).append(c)
     costs = {k: statistics.fmean(v) for k, v in pooled.items()}
-    sim = simulate(schedule, costs=costs, comm=message_s, sends="eager", stage_costs=stage_costs)
+    sim = simulate(schedule, costs=costs, comm=message_s, sends=sends, stage_costs=stage_costs)
     if not sim.completed:
         raise RuntimeError(f"the time model cannot play {schedule.name}: {sim.problem}")
     ends = [e.end for e in sim.timeline.events]
