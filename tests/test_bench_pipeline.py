@@ -54,6 +54,7 @@ def test_bench_pipeline_quick_writes_table_json_png_and_the_ratio_line(tmp_path:
         assert r["message_bytes"] == msg and r["model_ms"] > 0
         assert r["model_error"] == pytest.approx((r["model_ms"] - r["lslm_ms"]) / r["lslm_ms"])
         assert sorted(map(int, r["stage_costs_ms"])) == list(range(2 * r["v"]))
+        assert r["message_in_step_ms"] is not None and r["message_in_step_ms"] >= 0
         fit = res["p2p_fit"]
         assert fit is not None and r["model_message_ms"] == pytest.approx(
             1e3 * (fit["alpha_s"] + msg * fit["beta_s_per_byte"]))
@@ -84,3 +85,13 @@ def test_time_model_is_the_simulated_makespan_plus_priced_messages() -> None:
     assert P.predict_step_s(s, even, 0.1) == pytest.approx(15.0 + 5 * 0.1 + 0.1)
     assert P.p2p_seconds({"alpha_s": 1e-4, "beta_s_per_byte": 1e-9}, 1000) == pytest.approx(1e-4 + 1e-6)
     assert P.p2p_seconds(None, 1000) == 0.0
+
+
+def test_message_time_inside_a_step_counts_from_both_ends_posted() -> None:
+    from lslm.pipeline.timeline import Event
+
+    events = [Event(0, "SEND_F", 0, 0, 1.0, 1.1), Event(1, "RECV_F", 1, 0, 0.5, 1.5),  # receive posted first: 0.5
+              Event(1, "SEND_B", 1, 0, 2.0, 2.1), Event(0, "RECV_B", 0, 0, 3.0, 3.25),  # receive posted late: 0.25
+              Event(0, "F", 0, 0, 0.0, 1.0)]
+    assert P.measured_message_s(Timeline(2, events)) == pytest.approx((0.5 + 0.25) / 2)
+    assert P.measured_message_s(Timeline(2, events[-1:])) is None

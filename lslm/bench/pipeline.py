@@ -58,7 +58,8 @@ from lslm.bench.devices import device_env
 from lslm.bench.pipeline_report import PAIR_NAMES, model_line, plot, print_table, ratio_line  # noqa: F401 (re-exported)
 from lslm.harness import Report, StepTimer, Variant, run_variants
 
-__all__ = ["BENCH_BATCH", "BENCH_MODEL", "PAIRS", "QUICK_MODEL", "model_line", "p2p_seconds", "plot",
+__all__ = ["BENCH_BATCH", "BENCH_MODEL", "PAIRS", "QUICK_MODEL", "measured_message_s", "model_line", "p2p_seconds",
+           "plot",
            "predict_step_s", "print_table", "ratio_line", "run", "valid_pairs", "worker"]
 
 #: 8 blocks of width 128 (interleaved and DualPipeV at p = 4 need 8 stages), 1.9 M parameters; a batch of
@@ -120,6 +121,22 @@ def _stage_costs(timelines: list[Any]) -> dict[int, dict[str, float]]:
     return {s: {k: statistics.fmean(v) for k, v in kinds.items()} for s, kinds in by.items()}
 
 
+def measured_message_s(timeline: Any) -> float | None:
+    """Median time a message took inside a step (seconds), or None: from the later of its send's and its
+    receive's issue (both posted: a receive issued late is waiting for the receiver, not for the message) to the
+    receive's completion, over ``timeline``'s messages.
+
+    A diagnostic beside the fitted alpha-beta price: what a message costs while both ranks compute (on a CPU,
+    gloo's threads then compete with the computing ones for the cores).
+    """
+    key = {"SEND_F": lambda e: ("act", e.stage, e.mb), "RECV_F": lambda e: ("act", e.stage - 1, e.mb),
+           "SEND_B": lambda e: ("grad", e.stage, e.mb), "RECV_B": lambda e: ("grad", e.stage + 1, e.mb)}
+    sent = {key[e.kind](e): e.start for e in timeline.events if e.kind in ("SEND_F", "SEND_B")}
+    took = [e.end - max(e.start, sent[key[e.kind](e)]) for e in timeline.events
+            if e.kind in ("RECV_F", "RECV_B") and key[e.kind](e) in sent]
+    return statistics.median(took) if took else None
+
+
 def p2p_seconds(fit: dict[str, float] | None, nbytes: int) -> float:
     """One point-to-point message of ``nbytes`` under an alpha-beta ``fit`` (``alpha + S beta``); 0 without one."""
     if fit is None:
@@ -171,8 +188,11 @@ def _bubbles(pipe: Any, x: torch.Tensor, y: torch.Tensor, steps: int,
     message = x.shape[0] // pipe.plan.microbatches * x.shape[1] * first.config.n_embd * x.new_zeros(
         (), dtype=next(first.parameters()).dtype).element_size()
     message_s = p2p_seconds(fit, message)
+    in_step = measured_message_s(middle)
     return {"model_ms": 1e3 * predict_step_s(pipe.schedule, per_stage, message_s),
             "span_ms": 1e3 * middle.makespan(),
+            "message_in_step_ms": None if in_step is None else 1e3 * in_step,
+            "model_in_step_ms": None if in_step is None else 1e3 * predict_step_s(pipe.schedule, per_stage, in_step),
             "model_message_ms": 1e3 * message_s, "message_bytes": message,
             "stage_costs_ms": {str(s): {k: 1e3 * c for k, c in kinds.items()} for s, kinds in per_stage.items()},
 "bubble_measured": middle.bubble_fraction(),

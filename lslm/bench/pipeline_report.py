@@ -13,6 +13,11 @@ __all__ = ["PAIR_NAMES", "model_line", "plot", "print_table", "ratio_line"]
 PAIR_NAMES = ("GPipe", "1F1B", "Interleaved1F1B", "ZB-H1", "DualPipeV")
 
 
+def _msg(row: dict[str, Any]) -> str:
+    ms = row.get("message_in_step_ms")
+    return "-" if ms is None else f"{ms:.2f}"
+
+
 def print_table(results: dict[int, dict[str, Any]], report: Report | None = None) -> None:
     """One table per pipeline size: step times (ms, medians), their ratio, the bubble fractions."""
     out = report.print if report is not None else print
@@ -21,7 +26,8 @@ def print_table(results: dict[int, dict[str, Any]], report: Report | None = None
         out(f"\n== p={p} ({res['backend']}, {res['threads']} thread(s)/rank): GPT {res['num_parameters']:,} params "
             f"({mod['n_layer']} layers, width {mod['n_embd']}), batch {res['batch']} x {mod['block_size']} tokens, "
             f"medians of {res['repeats']} steps ==")
-        out(f"{'schedule':<16} {'m':>2} {'v':>2} {'lslm ms':>8} {'model ms':>8} {'error':>6} {'torch ms':>8} "
+        out(f"{'schedule':<16} {'m':>2} {'v':>2} {'lslm ms':>8} {'model ms':>8} {'error':>6} {'msg ms':>6} "
+            f"{'torch ms':>8} "
             f"{'lslm/torch':>10} "
             f"{'bubble meas':>11} {'sim 1:2':>7} {'sim meas':>8} {'meas/sim':>8} {'p2p KiB r0':>10} "
             f"{'loss diff':>9}")
@@ -30,7 +36,8 @@ def print_table(results: dict[int, dict[str, Any]], report: Report | None = None
             sim_m = r["bubble_simulated_measured_costs"]
             over = "-" if not sim_m else f"{r['bubble_measured'] / sim_m:.2f}x"
             out(f"{r['pair']:<16} {r['m']:>2} {r['v']:>2} {r['lslm_ms']:>8.1f} {r['model_ms']:>8.1f} "
-                f"{r['model_error']:>+6.0%} {r['torch_ms']:>8.1f} {r['ratio']:>9.2f}x {r['bubble_measured']:>11.1%} "
+                f"{r['model_error']:>+6.0%} {_msg(r):>6} {r['torch_ms']:>8.1f} {r['ratio']:>9.2f}x "
+                f"{r['bubble_measured']:>11.1%} "
                 f"{'-' if sim is None else f'{sim:.1%}':>7} {'-' if sim_m is None else f'{sim_m:.1%}':>8} {over:>8} "
                 f"{r['pp_comm_bytes_rank0'] / 1024:>10.0f} {r['max_loss_diff']:>9.1e}")
         for m, why in res["skipped"].items():
@@ -43,7 +50,8 @@ def print_table(results: dict[int, dict[str, Any]], report: Report | None = None
             f"p2p alpha {fit['alpha_s'] * 1e6:.0f} us + S / {1 / fit['beta_s_per_byte'] / 1e9:.2f} GB/s "
             f"(lslm bench collectives' fit at {p} ranks{where})" if fit else
             "free messages (no collectives fit given)"))
-    out("(times: ms, slowest rank; model ms / error: the time model's step and (model - measured) / measured; "
+    out("(times: ms, slowest rank; model ms / error: the time model's step and (model - measured) / measured; msg ms: "
+        "median time of a message inside a recorded step (both ends posted to received), beside the fitted price; "
         "bubble meas: lslm's measured timeline, 1 - busy / (p x span); sim 1:2 / sim meas: "
         "simulated with F=1, B=2, I=W=1 (= the closed forms) / with the measured F, B, I, W times; meas/sim: measured "
         "over sim meas, what messages and per-action overheads add; p2p: rank 0's activations and gradients per step)")
