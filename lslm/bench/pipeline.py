@@ -38,8 +38,10 @@ bytes of one micro-batch's activation (or its gradient: the same size) and alpha
 fit of ``lslm bench collectives`` at the same world size (``bench/results/collectives.json``,
 :func:`lslm.metrics.collective_costs.fit_alpha_beta`); plus one such message for the loss
 broadcast. Sends are eager: gloo writes a message into the socket without waiting for the
-receive to be posted. The predicted step is the simulated makespan. The last line printed
-is the lslm / torch step-time ratio per pair, then the time model's worst
+receive to be posted. The predicted step is the simulated makespan. Beside it, ``msg ms``: the median time a
+message took inside a recorded step (:func:`measured_message_s`), to compare with the fitted price; the JSON also
+keeps the model's step with that in-step time instead (``model_in_step_ms``), a diagnostic, not the prediction.
+The last line printed is the lslm / torch step-time ratio per pair, then the time model's worst
 ``|predicted - measured| / measured`` at ``p = 2``.
 """
 
@@ -132,7 +134,8 @@ def measured_message_s(timeline: Any) -> float | None:
     key = {"SEND_F": lambda e: ("act", e.stage, e.mb), "RECV_F": lambda e: ("act", e.stage - 1, e.mb),
            "SEND_B": lambda e: ("grad", e.stage, e.mb), "RECV_B": lambda e: ("grad", e.stage + 1, e.mb)}
     sent = {key[e.kind](e): e.start for e in timeline.events if e.kind in ("SEND_F", "SEND_B")}
-    took = [e.end - max(e.start, sent[key[e.kind](e)]) for e in timeline.events
+    # Clamped at 0: the ranks' clocks are aligned by a barrier only, to within a fraction of a millisecond.
+    took = [max(0.0, e.end - max(e.start, sent[key[e.kind](e)])) for e in timeline.events
             if e.kind in ("RECV_F", "RECV_B") and key[e.kind](e) in sent]
     return statistics.median(took) if took else None
 
