@@ -37,10 +37,11 @@ so stages differ) and every point-to-point message costing ``alpha + S beta``, `
 bytes of one micro-batch's activation (or its gradient: the same size) and alpha, beta the
 fit of ``lslm bench collectives`` at the same world size (``bench/results/collectives.json``,
 :func:`lslm.metrics.collective_costs.fit_alpha_beta`); plus one such message for the loss
-broadcast. Sends are eager: gloo writes a message into the socket without waiting for the
-receive to be posted. The predicted step is the simulated makespan. Beside it, ``msg ms``: the median time a
-message took inside a recorded step (:func:`measured_message_s`), to compare with the fitted price; the JSON also
-keeps the model's step with that in-step time instead (``model_in_step_ms``), a diagnostic, not the prediction.
+broadcast. Sends are simulated eager (a send does not wait for its receive to be posted; the
+simulator's rendezvous rule gave the same predictions in smoke runs). The predicted step is the
+simulated makespan. Beside it, ``msg ms``: the median time a message took inside a recorded step
+(:func:`measured_message_s`), to compare with the fitted price; the JSON also keeps the model's step
+with that in-step time instead (``model_in_step_ms``), a diagnostic, not the prediction.
 The last line printed is the lslm / torch step-time ratio per pair, then the time model's worst
 ``|predicted - measured| / measured`` at ``p = 2``.
 """
