@@ -9,6 +9,7 @@ case's (remat / deallocation must change nothing) and the gathered timeline's co
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -161,3 +162,59 @@ def suite(pp: int, dp: int = 1, cases: list[dict[str, Any]] | None = None, **_: 
             out[name] = extras
         rank, pp_rank, device = ctx.rank, ctx.pp_rank, ctx.device.type
     return {"rank": rank, "pp_rank": pp_rank, "device": device, "cases": out, "all_names": sorted(ref)}
+
+
+def tied_suite(pp: int, dp: int = 1, cases: list[dict[str, Any]] | None = None, **_: Any) -> dict[str, Any]:
+    """Tied embedding/head weights across pipeline ranks against the serial tied GPT: per case, this rank's
+    gradient errors (its copy of the tied weight compared with the serial ``wte.weight`` gradient, which sums the
+    embedding's and the head's parts), the tied exchanges it made, and after one SGD step the largest difference
+    of its weights from the serial step's."""
+    ctx = init_distributed(pp=pp, dp=dp)
+    out: dict[str, Any] = {}
+    with ctx:
+        x, y = batch()
+        cfg = dataclasses.replace(config(), tie_weights=True)
+        torch.manual_seed(SEED)
+        ref_model = GPT(cfg)
+        _, ref_loss_t = ref_model(x, y)
+        ref_loss_t.backward()
+        ref = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
+        with torch.no_grad():
+            for p in ref_model.parameters():
+                p -= 0.1 * p.grad
+        ref_after = dict(ref_model.named_parameters())
+        for case in cases or []:
+            case = dict(case)
+            name = case.pop("name")
+            meta = case.pop("meta", False)
+            plan = PipelinePlan(schedule=case["schedule"], microbatches=case["m"], virtual_stages=case.get("v", 1))
+            if meta:
+                with torch.device("meta"):
+                    model = GPT(cfg)
+                pipe = apply_pipeline(model, ctx, plan, init_seed=SEED)
+            else:
+                torch.manual_seed(SEED)
+                pipe = apply_pipeline(GPT(cfg), ctx, plan)
+            rows = x.shape[0] // ctx.dp_size
+            xr, yr = (t[ctx.dp_rank * rows:(ctx.dp_rank + 1) * rows] for t in (x, y))
+            since = len(ctx.comm.ledger.records)
+            loss = pipe.step(xr, yr).detach().reshape(1).clone()
+            if ctx.dp_size > 1:
+                ctx.comm.all_reduce(loss, group=ctx.group("dp"), label="test loss")
+                loss /= ctx.dp_size
+            tied = [r for r in ctx.comm.ledger.snapshot()[since:] if r.label == "pp tied embedding grad"]
+            named = dict(pipe.named_parameters())
+            # The serial model names the tied tensor once, as wte.weight.
+            grads = {n: p.grad for n, p in named.items()}
+            err = _rel_err(grads, {n: ref["wte.weight" if n == "lm_head.weight" else n] for n in grads})
+            with torch.no_grad():
+                for p in pipe.parameters():
+                    p -= 0.1 * p.grad
+            serial_name = {n: "wte.weight" if n == "lm_head.weight" else n for n in named}
+            step_diff = max((p - ref_after[serial_name[n]].to(p.device)).abs().max().item() for n, p in named.items())
+            out[name] = {"loss_err": abs(loss.item() - ref_loss_t.item()) / abs(ref_loss_t.item()), "grad_err": err,
+                         "names": sorted(named), "tied_ops": len(tied), "step_diff": step_diff,
+                         "tied_param": None if pipe.tied_param is None else next(
+                             n for n, p in named.items() if p is pipe.tied_param)}
+        rank, pp_rank = ctx.rank, ctx.pp_rank
+    return {"rank": rank, "pp_rank": pp_rank, "cases": out}

@@ -21,8 +21,10 @@ def test_bench_pipeline_quick_writes_table_json_png_and_the_ratio_line(tmp_path:
     lines = capsys.readouterr().out.strip().splitlines()
     # Every pair at the largest m it ran at (DualPipeV needs m >= 2p = 4: skipped at m=2).
     entry = r"p=2 m=4 \d+\.\d\dx"
-    want = "lslm / torch pipelining step time: " + "; ".join(f"{re.escape(n)} {entry}" for n in NAMES)
+    want = ("lslm / torch pipelining step time: " + "; ".join(f"{re.escape(n)} {entry}" for n in NAMES)
+            + r" \| time model worst \|predicted - measured\| / measured at p=2: \d+\.\d% \(\S+ m=\d\)")
     assert re.fullmatch(want, lines[-1]), lines[-1]
+    assert P.PAIR_NAMES == tuple(NAMES)  # the report's order is the bench's
     for suffix in ("txt", "json", "png"):
         assert (tmp_path / f"pipeline.{suffix}").is_file()
     saved = json.loads((tmp_path / "pipeline.json").read_text())["2"]
@@ -48,6 +50,14 @@ def test_bench_pipeline_quick_writes_table_json_png_and_the_ratio_line(tmp_path:
         timeline = Timeline.from_dict(r["timeline"])
         assert timeline.num_ranks == 2 and timeline.bubble_fraction() == pytest.approx(r["bubble_measured"])
         assert len([e for e in timeline.compute() if e.kind == "F"]) == m * 2 * r["v"]  # every (stage, mb) once
+        # The time model: the simulator with each stage's measured costs and priced messages, beside the measured.
+        assert r["message_bytes"] == msg and r["model_ms"] > 0
+        assert r["model_error"] == pytest.approx((r["model_ms"] - r["lslm_ms"]) / r["lslm_ms"])
+        assert sorted(map(int, r["stage_costs_ms"])) == list(range(2 * r["v"]))
+        assert r["message_in_step_ms"] is not None and r["message_in_step_ms"] >= 0
+        fit = res["p2p_fit"]
+        assert fit is not None and r["model_message_ms"] == pytest.approx(
+            1e3 * (fit["alpha_s"] + msg * fit["beta_s_per_byte"]))
     # With equal F, B costs GPipe and 1F1B have the textbook bubble (p - 1) / (m + p - 1).
     assert rows[("GPipe", 4)]["bubble_simulated"] == pytest.approx(1 / 5)
     assert rows[("1F1B", 2)]["bubble_simulated"] == pytest.approx(1 / 3)
@@ -62,3 +72,26 @@ def test_bench_pipeline_refuses_bad_settings_before_any_launch() -> None:
         P.run((4,), (3,), quick=True, out_dir=None)
     with pytest.raises(ValueError, match="repeats must be an integer >= 1, got 0"):
         P.run((2,), quick=True, repeats=0, out_dir=None)
+
+
+def test_time_model_is_the_simulated_makespan_plus_priced_messages() -> None:
+    from lslm.pipeline.schedules import build_schedule
+
+    s = build_schedule("1f1b", 2, 4)
+    even = {0: {"F": 1.0, "B": 2.0}, 1: {"F": 1.0, "B": 2.0}}
+    # Free messages: the closed form, (m + p - 1)(F + B).
+    assert P.predict_step_s(s, even, 0.0) == pytest.approx(5 * 3.0)
+    # Priced messages: each boundary crossing on the critical path (five here) adds one, plus the loss broadcast.
+    assert P.predict_step_s(s, even, 0.1) == pytest.approx(15.0 + 5 * 0.1 + 0.1)
+    assert P.p2p_seconds({"alpha_s": 1e-4, "beta_s_per_byte": 1e-9}, 1000) == pytest.approx(1e-4 + 1e-6)
+    assert P.p2p_seconds(None, 1000) == 0.0
+
+
+def test_message_time_inside_a_step_counts_from_both_ends_posted() -> None:
+    from lslm.pipeline.timeline import Event
+
+    events = [Event(0, "SEND_F", 0, 0, 1.0, 1.1), Event(1, "RECV_F", 1, 0, 0.5, 1.5),  # receive posted first: 0.5
+              Event(1, "SEND_B", 1, 0, 2.0, 2.1), Event(0, "RECV_B", 0, 0, 3.0, 3.25),  # receive posted late: 0.25
+              Event(0, "F", 0, 0, 0.0, 1.0)]
+    assert P.measured_message_s(Timeline(2, events)) == pytest.approx((0.5 + 0.25) / 2)
+    assert P.measured_message_s(Timeline(2, events[-1:])) is None

@@ -136,6 +136,24 @@ def test_pipeline_stages_from_the_meta_device_equal_the_serial_stages() -> None:
             assert other and all(p.is_meta for p in other)
 
 
+def test_tied_embedding_stages_from_the_meta_device_hold_the_serial_tied_values() -> None:
+    """pp=2, GPT-2's tie: the first rank holds wte, the last its own head copy, both the serial tied tensor; the
+    last rank's unused embedding stays a meta tensor (no memory, no copy)."""
+    cfg = GPTConfig.tiny(n_layer=4, tie_weights=True)
+    serial = _serial(cfg, 1)
+    for rank in range(2):
+        with fake_world(rank, 2):
+            pipe = apply_pipeline(_meta(cfg), _ctx(2, rank, pp=2), PipelinePlan(schedule="1f1b", microbatches=2),
+                                  init_seed=1)
+            mine = "wte.weight" if rank == 0 else "lm_head.weight"
+            got = dict(pipe.named_parameters())
+            assert torch.equal(got[mine], serial.wte.weight) and pipe.tied_param is got[mine]
+            assert pipe.tied_peer == 1 - rank
+            if rank == 1:
+                assert "wte.weight" not in got and pipe.model.wte.weight.is_meta
+                assert pipe.model.lm_head.weight is not pipe.model.wte.weight
+
+
 def test_bad_uses_are_refused_with_a_reason() -> None:
     cfg = GPTConfig.tiny()
     with pytest.raises(ValueError, match="meta device"):

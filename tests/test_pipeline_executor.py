@@ -508,3 +508,29 @@ def test_data_parallel_times_pipeline_and_accumulation_match_serial(backend: str
             assert case["dp_sync"] == [f"pp dp grads s{s}" for s in case["stages"]], (c["name"], r["rank"])
     for r in results:  # two half batches (loss_scale 0.5, one sync) = one whole batch, to rounding
         assert r["cases"]["accumulate 1f1b m2"]["diff_vs_base"] <= 1e-7, r["rank"]
+
+
+TIED_CASES = [{"name": "1f1b m4", "schedule": "1f1b", "m": 4},
+              {"name": "zb-h1 m4", "schedule": "zb-h1", "m": 4},
+              {"name": "interleaved m4", "schedule": "interleaved", "m": 4, "v": 2},
+              {"name": "dualpipev m4", "schedule": "dualpipev", "m": 4, "v": 2},
+              {"name": "1f1b m4 meta", "schedule": "1f1b", "m": 4, "meta": True}]
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_tied_embedding_across_stages_matches_the_serial_tied_model(dp: int) -> None:
+    """Megatron's embedding copy on the last stage: gradients summed between the first and last rank equal the
+    serial tied gradient, one SGD step keeps both copies on the serial weights; DualPipeV's V puts both ends on
+    rank 0, which keeps the tie and exchanges nothing."""
+    results = run_workers("tests.pipeline_workers:tied_suite", 2 * dp, timeout=180, pp=2, dp=dp, cases=TIED_CASES)
+    for c in TIED_CASES:
+        for r in results:
+            case = r["cases"][c["name"]]
+            assert case["loss_err"] <= TOL and case["grad_err"] <= TOL, (c["name"], r["rank"], case)
+            assert case["step_diff"] <= 1e-6, (c["name"], r["rank"], case["step_diff"])
+            if c["schedule"] == "dualpipev":
+                assert case["tied_ops"] == 0 and case["tied_param"] is None
+                assert "lm_head.weight" not in case["names"]  # one tensor, named once, on rank 0
+            else:
+                assert case["tied_ops"] == 2, (c["name"], r["rank"])  # one send, one receive
+                assert case["tied_param"] == ("wte.weight" if r["pp_rank"] == 0 else "lm_head.weight")

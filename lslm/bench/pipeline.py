@@ -28,11 +28,27 @@ From lslm's runs also, per schedule: the **measured bubble fraction** (median ov
 :mod:`lslm.pipeline.timeline`), and the **simulated** one of the same ``(p, m, v)``
 (:func:`~lslm.pipeline.simulator.simulate`) with unit costs ``F=1, B=2, I=W=1`` and with the
 median measured ``F``/``B``/``I``/``W`` durations; one measured timeline is kept in the
-JSON for Gantt charts. The last line printed is the lslm / torch step-time ratio per pair.
+JSON for Gantt charts.
+
+**Time model** (column ``model ms`` beside the measured ``lslm ms``): the simulator plays
+the schedule with each virtual stage's median measured ``F``, ``B``, ``I``, ``W`` (seconds,
+pooled over the recorded steps; the first and last stages carry the embedding and the head,
+so stages differ) and every point-to-point message costing ``alpha + S beta``, ``S`` the
+bytes of one micro-batch's activation (or its gradient: the same size) and alpha, beta the
+fit of ``lslm bench collectives`` at the same world size (``bench/results/collectives.json``,
+:func:`lslm.metrics.collective_costs.fit_alpha_beta`); plus one such message for the loss
+broadcast. Sends are simulated eager (a send does not wait for its receive to be posted; the
+simulator's rendezvous rule gave the same predictions in smoke runs). The predicted step is the
+simulated makespan. Beside it, ``msg ms``: the median time a message took inside a recorded step
+(:func:`measured_message_s`), to compare with the fitted price; the JSON also keeps the model's step
+with that in-step time instead (``model_in_step_ms``), a diagnostic, not the prediction.
+The last line printed is the lslm / torch step-time ratio per pair, then the time model's worst
+``|predicted - measured| / measured`` at ``p = 2``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from pathlib import Path
@@ -42,10 +58,12 @@ import torch
 
 from lslm.bench.checks import at_least, world_sizes
 from lslm.bench.devices import device_env
+from lslm.bench.pipeline_report import PAIR_NAMES, model_line, plot, print_table, ratio_line  # noqa: F401 (re-exported)
 from lslm.harness import Report, StepTimer, Variant, run_variants
 
-__all__ = ["BENCH_BATCH", "BENCH_MODEL", "PAIRS", "QUICK_MODEL", "plot", "print_table", "ratio_line", "run",
-           "valid_pairs", "worker"]
+__all__ = ["BENCH_BATCH", "BENCH_MODEL", "PAIRS", "QUICK_MODEL", "measured_message_s", "model_line", "p2p_seconds",
+           "plot",
+           "predict_step_s", "print_table", "ratio_line", "run", "valid_pairs", "worker"]
 
 #: 8 blocks of width 128 (interleaved and DualPipeV at p = 4 need 8 stages), 1.9 M parameters; a batch of
 #: 16 x 64 tokens: ~0.2 s of forward + backward for the whole model on one CPU core.
@@ -93,8 +111,66 @@ def _median_costs(timeline: Any) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in by_kind.items()}
 
 
-def _bubbles(pipe: Any, x: torch.Tensor, y: torch.Tensor, steps: int) -> dict[str, Any]:
-    """Measured (median of ``steps`` recorded steps) and simulated bubble fractions of an lslm pipeline."""
+def _stage_costs(timelines: list[Any]) -> dict[int, dict[str, float]]:
+    """Mean measured duration (seconds) of each compute kind on each virtual stage, pooled over ``timelines``.
+
+    The mean, not the median: a step is a sum of many actions, and a sum's typical value is the sum of the
+    means (an action slowed now and then by the other rank or another process counts in the step too).
+    """
+    by: dict[int, dict[str, list[float]]] = {}
+    for t in timelines:
+        for e in t.compute():
+            by.setdefault(e.stage, {}).setdefault(e.kind, []).append(e.duration)
+    return {s: {k: statistics.fmean(v) for k, v in kinds.items()} for s, kinds in by.items()}
+
+
+def measured_message_s(timeline: Any) -> float | None:
+    """Median time a message took inside a step (seconds), or None: from the later of its send's and its
+    receive's issue (both posted: a receive issued late is waiting for the receiver, not for the message) to the
+    receive's completion, over ``timeline``'s messages.
+
+    A diagnostic beside the fitted alpha-beta price: what a message costs while both ranks compute (on a CPU,
+    gloo's threads then compete with the computing ones for the cores).
+    """
+    key = {"SEND_F": lambda e: ("act", e.stage, e.mb), "RECV_F": lambda e: ("act", e.stage - 1, e.mb),
+           "SEND_B": lambda e: ("grad", e.stage, e.mb), "RECV_B": lambda e: ("grad", e.stage + 1, e.mb)}
+    sent = {key[e.kind](e): e.start for e in timeline.events if e.kind in ("SEND_F", "SEND_B")}
+    # Clamped at 0: the ranks' clocks are aligned by a barrier only, to within a fraction of a millisecond.
+    took = [max(0.0, e.end - max(e.start, sent[key[e.kind](e)])) for e in timeline.events
+            if e.kind in ("RECV_F", "RECV_B") and key[e.kind](e) in sent]
+    return statistics.median(took) if took else None
+
+
+def p2p_seconds(fit: dict[str, float] | None, nbytes: int) -> float:
+    """One point-to-point message of ``nbytes`` under an alpha-beta ``fit`` (``alpha + S beta``); 0 without one."""
+    if fit is None:
+        return 0.0
+    return float(fit["alpha_s"]) + nbytes * float(fit["beta_s_per_byte"])
+
+
+def predict_step_s(schedule: Any, stage_costs: dict[int, dict[str, float]], message_s: float,
+                   sends: str = "eager") -> float:
+    """The time model's step (seconds): the simulated makespan of ``schedule`` with each stage's measured costs,
+    every p2p message ``message_s`` (``sends``: the simulator's send mode, eager by default, module doc) and one
+    more message for the loss broadcast."""
+    from lslm.pipeline.simulator import simulate
+
+    pooled: dict[str, list[float]] = {}
+    for kinds in stage_costs.values():
+        for k, c in kinds.items():
+            pooled.setdefault(k, []).append(c)
+    costs = {k: statistics.fmean(v) for k, v in pooled.items()}
+    sim = simulate(schedule, costs=costs, comm=message_s, sends=sends, stage_costs=stage_costs)
+    if not sim.completed:
+        raise RuntimeError(f"the time model cannot play {schedule.name}: {sim.problem}")
+    ends = [e.end for e in sim.timeline.events]
+    return max(ends) - min(e.start for e in sim.timeline.events) + message_s
+
+
+def _bubbles(pipe: Any, x: torch.Tensor, y: torch.Tensor, steps: int,
+             fit: dict[str, float] | None = None) -> dict[str, Any]:
+    """Measured (median of ``steps`` recorded steps) and simulated bubble fractions of an lslm pipeline, and the
+    time model's step (module doc)."""
     from lslm.pipeline.simulator import simulate
 
     pipe.plan.record_timeline = True
@@ -110,7 +186,20 @@ def _bubbles(pipe: Any, x: torch.Tensor, y: torch.Tensor, steps: int) -> dict[st
     costs = _median_costs(middle)
     sim_unit = simulate(pipe.schedule)
     sim_meas = simulate(pipe.schedule, costs={k: c / costs["F"] for k, c in costs.items()})
-    return {"bubble_measured": middle.bubble_fraction(),
+    per_stage = _stage_costs(recorded)
+    # One micro-batch's hidden states (batch-first rows x time x width), the size of every activation and gradient.
+    first = next(iter(pipe.stages.values()))
+    message = x.shape[0] // pipe.plan.microbatches * x.shape[1] * first.config.n_embd * x.new_zeros(
+        (), dtype=next(first.parameters()).dtype).element_size()
+    message_s = p2p_seconds(fit, message)
+    in_step = measured_message_s(middle)
+    return {"model_ms": 1e3 * predict_step_s(pipe.schedule, per_stage, message_s),
+            "span_ms": 1e3 * middle.makespan(),
+            "message_in_step_ms": None if in_step is None else 1e3 * in_step,
+            "model_in_step_ms": None if in_step is None else 1e3 * predict_step_s(pipe.schedule, per_stage, in_step),
+            "model_message_ms": 1e3 * message_s, "message_bytes": message,
+            "stage_costs_ms": {str(s): {k: 1e3 * c for k, c in kinds.items()} for s, kinds in per_stage.items()},
+"bubble_measured": middle.bubble_fraction(),
             "bubble_measured_all": [t.bubble_fraction() for t in recorded],
             "bubble_simulated": sim_unit.timeline.bubble_fraction() if sim_unit.completed else None,
             "bubble_simulated_measured_costs": sim_meas.timeline.bubble_fraction() if sim_meas.completed else None,
@@ -119,9 +208,10 @@ def _bubbles(pipe: Any, x: torch.Tensor, y: torch.Tensor, steps: int) -> dict[st
 
 
 def worker(model: dict[str, Any], batch: int, microbatches: list[int], repeats: int = 7, warmup: int = 2,
-           timeline_steps: int = 3, threads: int = 1, seed: int = 0, device: str | None = None) -> dict[str, Any]:
+           timeline_steps: int = 3, threads: int = 1, seed: int = 0, device: str | None = None,
+           p2p_fit: dict[str, float] | None = None) -> dict[str, Any]:
     """One rank of the benchmark at pp = world size (see the module doc); rank 0 returns the rows, the others
-    ``{"rank"}``."""
+    ``{"rank"}``. ``p2p_fit``: the alpha-beta fit the time model prices messages with (None: free messages)."""
     from lslm.models.gpt import GPT, GPTConfig
     from lslm.pipeline.apply import PipelinePlan, apply_pipeline
     from lslm.pipeline.torch_reference import TorchPipeline
@@ -186,106 +276,32 @@ def worker(model: dict[str, Any], batch: int, microbatches: list[int], repeats: 
                        "max_loss_diff": max(abs(a - b) for a, b in zip(losses[f"lslm {name}"],
                                                                         losses[f"torch {name}"])),
                        "pp_comm_bytes_rank0": sum(r.nbytes for r in sent), "pp_comm_calls_rank0": len(sent),
-                       **_bubbles(pipe, x, y, timeline_steps)}
+                       **_bubbles(pipe, x, y, timeline_steps, p2p_fit)}
                 row["ratio"] = row["lslm_ms"] / row["torch_ms"]
+                row["model_error"] = (row["model_ms"] - row["lslm_ms"]) / row["lslm_ms"]
                 rows.append(row)
                 ledger.reset()
         result = {"p": ctx.pp_size, "model": model, "batch": batch, "microbatches": list(microbatches),
                   "repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(), "backend": ctx.backend,
                   "device": str(dev), "num_parameters": sum(prm.numel() for prm in GPT(cfg).parameters()),
-                  "rows": rows, "skipped": skipped}
+                  "rows": rows, "skipped": skipped, "p2p_fit": p2p_fit}
     return {"rank": ctx.rank, **(result if ctx.rank == 0 else {})}
 
-
-def print_table(results: dict[int, dict[str, Any]], report: Report | None = None) -> None:
-    """One table per pipeline size: step times (ms, medians), their ratio, the bubble fractions."""
-    out = report.print if report is not None else print
-    for p, res in results.items():
-        mod = res["model"]
-        out(f"\n== p={p} ({res['backend']}, {res['threads']} thread(s)/rank): GPT {res['num_parameters']:,} params "
-            f"({mod['n_layer']} layers, width {mod['n_embd']}), batch {res['batch']} x {mod['block_size']} tokens, "
-            f"medians of {res['repeats']} steps ==")
-        out(f"{'schedule':<16} {'m':>2} {'v':>2} {'lslm ms':>8} {'torch ms':>8} {'lslm/torch':>10} "
-            f"{'bubble meas':>11} {'sim 1:2':>7} {'sim meas':>8} {'meas/sim':>8} {'p2p KiB r0':>10} "
-            f"{'loss diff':>9}")
-        for r in res["rows"]:
-            sim = r["bubble_simulated"]
-            sim_m = r["bubble_simulated_measured_costs"]
-            over = "-" if not sim_m else f"{r['bubble_measured'] / sim_m:.2f}x"
-            out(f"{r['pair']:<16} {r['m']:>2} {r['v']:>2} {r['lslm_ms']:>8.1f} {r['torch_ms']:>8.1f} "
-                f"{r['ratio']:>9.2f}x {r['bubble_measured']:>11.1%} "
-                f"{'-' if sim is None else f'{sim:.1%}':>7} {'-' if sim_m is None else f'{sim_m:.1%}':>8} {over:>8} "
-                f"{r['pp_comm_bytes_rank0'] / 1024:>10.0f} {r['max_loss_diff']:>9.1e}")
-        for m, why in res["skipped"].items():
-            for name, reason in why.items():
-                out(f"  skipped {name} at m={m}: {reason}")
-    out("(times: ms, slowest rank; bubble meas: lslm's measured timeline, 1 - busy / (p x span); sim 1:2 / sim meas: "
-        "simulated with F=1, B=2, I=W=1 (= the closed forms) / with the measured F, B, I, W times; meas/sim: measured "
-        "over sim meas, what messages and per-action overheads add; p2p: rank 0's activations and gradients per step)")
-
-
-def _ratio_entry(res: dict[str, Any], pair: str) -> str | None:
-    """``"p=2 m=8 0.97x"`` at the largest m this pair ran at, or None."""
-    rows = [r for r in res["rows"] if r["pair"] == pair]
-    if not rows:
-        return None
-    r = max(rows, key=lambda r: r["m"])
-    return f"p={res['p']} m={r['m']} {r['ratio']:.2f}x"
-
-
-def ratio_line(results: dict[int, dict[str, Any]]) -> str:
-    """``lslm / torch pipelining step time: GPipe p=2 m=8 0.97x p=4 m=8 1.01x; 1F1B ...`` (largest m of each)."""
-    parts = []
-    for name, *_ in PAIRS:
-        entries = [e for e in (_ratio_entry(res, name) for _, res in sorted(results.items())) if e is not None]
-        parts.append(f"{name} " + (" ".join(entries) if entries else "n/a"))
-    return "lslm / torch pipelining step time: " + "; ".join(parts)
-
-
-def plot(results: dict[int, dict[str, Any]], path: Path) -> None:
-    """Left: step times, lslm next to torch, per schedule, p and m. Right: bubble fraction measured vs simulated."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(14, 4.8), dpi=80)
-    labels, ours, theirs, meas, sim = [], [], [], [], []
-    for p, res in sorted(results.items()):
-        for r in res["rows"]:
-            labels.append(f"{r['pair']}\np={p} m={r['m']}")
-            ours.append(r["lslm_ms"])
-            theirs.append(r["torch_ms"])
-            meas.append(r["bubble_measured"])
-            sim.append(r["bubble_simulated_measured_costs"] or 0.0)
-    xs = range(len(labels))
-    ax_t.bar([i - 0.2 for i in xs], ours, width=0.4, label="lslm")
-    ax_t.bar([i + 0.2 for i in xs], theirs, width=0.4, label="torch.distributed.pipelining")
-    ax_t.set_ylabel("ms per step (median, slowest rank)")
-    ax_t.set_title("Step time")
-    ax_b.bar([i - 0.2 for i in xs], meas, width=0.4, label="lslm, measured")
-    ax_b.bar([i + 0.2 for i in xs], sim, width=0.4, label="simulated (measured F/B/I/W costs)")
-    ax_b.set_ylabel("bubble fraction")
-    ax_b.set_title("Bubble: 1 - compute / (ranks x span)")
-    for ax in (ax_t, ax_b):
-        ax.set_xticks(list(xs), labels, fontsize=6, rotation=90)
-        ax.legend(fontsize=8)
-    fig.suptitle("Pipeline parallelism: lslm's executor vs torch.distributed.pipelining, same GPT stages and data")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def run(nprocs: tuple[int, ...] = (2, 4), microbatches: tuple[int, ...] = (4, 8), *, quick: bool = False,
         model: dict[str, Any] | None = None, batch: int | None = None, repeats: int | None = None,
         warmup: int | None = None, timeline_steps: int | None = None, threads: int = 1,
         out_dir: str | Path | None = "bench/results", timeout: float = 1200.0,
-        device: str = "cpu") -> dict[int, dict[str, Any]]:
+        device: str = "cpu", collectives: str | Path | None = "bench/results/collectives.json",
+        ) -> dict[int, dict[str, Any]]:
     """Launch the benchmark at each pipeline size (= world size) on ``device``; print the table and write
     ``pipeline.txt``, ``pipeline.json`` and ``pipeline.png`` to ``out_dir`` (``None``: print only).
 
     ``quick=True``: a tiny model, 1 timed round, for tests (structure and counts are
-    meaningful, timings are not). ``model`` overrides the GPT sizes. Raises ``ValueError``
+    meaningful, timings are not). ``model`` overrides the GPT sizes. ``collectives``: the JSON of
+    ``lslm bench collectives`` whose alpha-beta fit at each world size prices the time model's
+    messages (a missing file or world size: free messages, said in the table). Raises ``ValueError``
     before any launch for sizes no pair can run.
     """
     from lslm.launcher.launch import launch
@@ -309,14 +325,17 @@ def run(nprocs: tuple[int, ...] = (2, 4), microbatches: tuple[int, ...] = (4, 8)
                              f"a batch of {batch}: " + "; ".join(valid_pairs(p, ms[0], model["n_layer"],
                                                                              batch)[1].values()))
     env = device_env(device, max(nprocs))
+    fits: dict[str, Any] = {}
+    if collectives is not None and Path(collectives).is_file():
+        fits = {n: res.get("fit") for n, res in json.loads(Path(collectives).read_text()).items()}
     results: dict[int, dict[str, Any]] = {}
     for p in nprocs:
         res = launch("lslm.bench.pipeline:worker", nproc=p, timeout=timeout, output="none", model=model, batch=batch,
                      microbatches=list(ms), repeats=repeats, warmup=warmup, timeline_steps=timeline_steps,
-                     threads=threads, env=env)
+                     threads=threads, env=env, p2p_fit=fits.get(str(p)))
         results[p] = res[0]
     with Report("pipeline", out_dir) as report:
         print_table(results, report)
         report.write(results, plot)
-        report.print(ratio_line(results))
+        report.print(f"{ratio_line(results)} | {model_line(results)}")
     return results

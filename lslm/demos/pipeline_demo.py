@@ -22,7 +22,8 @@ from lslm.pipeline.apply import PipelinePlan, apply_pipeline
 from lslm.pipeline.partition import partition_units, split_gpt, unit_costs, unit_names
 from lslm.runtime import init_distributed
 
-__all__ = ["DEMO_MODEL", "partition_report", "schedules_worker", "torch_side_by_side_worker", "two_bw_worker"]
+__all__ = ["DEMO_MODEL", "partition_report", "schedules_worker", "tied_worker", "torch_side_by_side_worker",
+           "two_bw_worker"]
 
 #: The notebook's GPT: deep enough for 2 x 4 virtual stages, wide enough that compute dominates per-action overhead.
 DEMO_MODEL: dict[str, int] = dict(vocab_size=1024, block_size=64, n_layer=8, n_head=4, n_embd=128)
@@ -140,6 +141,45 @@ def schedules_worker(runs: list[dict[str, Any]], model: dict[str, int] | None = 
         assert all(math.isfinite(r["loss"]) for r in results)
         return {"rank": ctx.rank, "pp": ctx.pp_size, "batch_size": batch_size, "model": cfg.__dict__,
                 "contention": timing, "results": results}
+
+
+def tied_worker(schedules: list[str], microbatches: int = 4, model: dict[str, int] | None = None,
+                batch_size: int = 8, seed: int = 0) -> dict[str, Any]:
+    """Launch target: a GPT with tied embedding and head (GPT-2's ``tie_weights``) pipelined by each of
+    ``schedules`` (``"interleaved"`` and ``"dualpipev"`` with two stages per rank), one step each, against the
+    serial tied GPT.
+
+    Per schedule, this rank returns: ``loss`` and ``serial_loss``; ``tied_param`` (its copy of the tied weight:
+    ``"wte.weight"`` on the first stage's rank, ``"lm_head.weight"`` on the last's, None elsewhere or when one
+    rank holds both); ``max_rel_diff`` (largest ``|pipeline - serial| / max|serial|`` over its gradients, its
+    copy compared with the serial tied gradient); ``exchanges`` and ``exchange_bytes`` (the tied gradient's
+    sends and receives on this rank in the step).
+    """
+    cfg = GPTConfig(**{**DEMO_MODEL, **(model or {}), "tie_weights": True})
+    ctx = init_distributed(pp=int(__import__("os").environ.get("WORLD_SIZE", "1")), seed=seed)
+    with ctx:
+        x, y = _batch(cfg, batch_size, seed, ctx.device)
+        serial_loss, serial_grads = _serial_reference(cfg, seed, x, y)
+        results = []
+        for name in schedules:
+            v = 2 if name in ("interleaved", "dualpipev") else 1
+            torch.manual_seed(seed)
+            pipe = apply_pipeline(GPT(cfg), ctx, PipelinePlan(schedule=name, microbatches=microbatches,
+                                                              virtual_stages=v))
+            since = len(ctx.comm.ledger.records)
+            loss = pipe.step(x, y)
+            tied = [r for r in ctx.comm.ledger.records[since:] if r.label == "pp tied embedding grad"]
+            params = dict(pipe.named_parameters())
+            # The serial model names the one tied tensor wte.weight; the last stage's copy is lm_head.weight.
+            ref = {n: serial_grads["wte.weight" if n == "lm_head.weight" else n] for n in params}
+            diff = max(((params[n].grad - ref[n]).abs().max() / ref[n].abs().max()).item() for n in params)
+            mine = next((n for n, prm in params.items() if prm is pipe.tied_param), None)
+            results.append({"schedule": name, "loss": loss.item(), "serial_loss": serial_loss,
+                            "tied_param": mine, "max_rel_diff": diff, "exchanges": len(tied),
+                            "exchange_bytes": sum(r.nbytes for r in tied)})
+            ctx.comm.ledger.reset()
+        return {"rank": ctx.rank, "pp_rank": ctx.pp_rank, "results": results,
+                "embedding_bytes": cfg.vocab_size * cfg.n_embd * 4}
 
 
 def torch_side_by_side_worker(schedules: list[str], microbatches: int = 8, model: dict[str, int] | None = None,

@@ -13,6 +13,15 @@ the schedule puts on this rank; the stages share the GPT's parameters, so gradie
 in the GPT's own ``.grad`` and an optimizer over :meth:`PipelineModel.parameters` steps
 exactly this rank's share. Stages whose schedule splits the backward (``I``/``W``) get
 their linears swapped for :class:`~lslm.pipeline.split_backward.SplitLinear`.
+
+**Tied embeddings** (GPT-2's ``lm_head.weight is wte.weight``) across pipeline ranks, as
+Megatron-LM does it: the rank of the last stage keeps its *own copy* of the word embedding
+as the head's weight, equal to the serial values, and after each step's backward the two
+copies' gradients are summed between the rank of the first stage and the rank of the last
+(Megatron's "embedding group"; :meth:`PipelineModel.sync_tied_grads`). Both copies then
+hold the serial tied gradient, ``dL/dwte = (embedding's part) + (head's part)``, so two
+identical optimizer steps keep them equal. When one rank holds both ends (DualPipeV's V,
+or ``p = 1``) the tie simply stays, and nothing is exchanged.
 """
 
 from __future__ import annotations
@@ -25,8 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from lslm.data_parallel.grad_buffer import has_main_grad
 from lslm.models.deferred_init import is_meta, materialize_
 from lslm.models.gpt import GPT
 from lslm.pipeline.executor import PipelineExecutor, gather_timeline
@@ -40,6 +51,7 @@ from lslm.runtime.context import ParallelContext
 __all__ = ["PipelineModel", "PipelinePlan", "apply_pipeline", "check_plan"]
 
 LOSS_LABEL = "pp loss"
+TIED_LABEL = "pp tied embedding grad"
 
 
 @dataclass
@@ -83,8 +95,16 @@ class PipelineModel:
     """This rank's part of a pipelined GPT; :meth:`step` runs one forward + backward of a batch by the schedule."""
 
     def __init__(self, model: GPT, ctx: ParallelContext, plan: PipelinePlan, schedule: Any,
-                 stages: dict[int, GPTStage]) -> None:
+                 stages: dict[int, GPTStage], *, tied: bool = False) -> None:
         self.model, self.ctx, self.plan, self.schedule, self.stages = model, ctx, plan, schedule, stages
+        # Tied embedding split over two ranks (``tied``): the pipeline rank at the other end and this rank's copy
+        # (taken before split_linears may wrap the head).
+        self.tied_peer: int | None = None
+        self.tied_param: nn.Parameter | None = None
+        first, last = schedule.stage_to_rank[0], schedule.stage_to_rank[-1]
+        if tied and ctx.pp_rank in (first, last):
+            self.tied_peer = last if ctx.pp_rank == first else first
+            self.tied_param = model.wte.weight if ctx.pp_rank == first else model.lm_head.weight
         self.num_stages = len(schedule.stage_to_rank)
         self.memory = PipelineMemory(model.parameters()) if plan.track_memory else None
         actions = schedule.actions(ctx.pp_rank)
@@ -141,6 +161,8 @@ class PipelineModel:
             origin = time.perf_counter()
         result = self.executor.run(xs, ys, loss_scale / m, sync_grads=sync_grads,
                                    record=self.plan.record_timeline, origin=origin)
+        if sync_grads:
+            self.sync_tied_grads()
         loss = torch.zeros(1, device=ctx.device, dtype=torch.float32)
         if result.loss_sum is not None:
             loss += result.loss_sum.float() / m
@@ -149,6 +171,34 @@ class PipelineModel:
         self.last_timeline = result.events
         self.last_memory = result.memory or {}
         return loss[0]
+
+    def sync_tied_grads(self) -> None:
+        """Sum the tied embedding's gradient over its two copies (first stage's ``wte``, last stage's head).
+
+        Megatron all-reduces it over an "embedding group" of the first and last pipeline
+        rank; a group of two is exactly one exchange, so here it is one paired send/receive
+        (``batch_isend_irecv``, both works waited) and an add, with no extra process group to
+        create. ``a + b`` and ``b + a`` round alike, so both copies stay bit-identical. Called
+        by :meth:`step` when ``sync_grads`` (after the data-parallel average: both are sums,
+        so the order changes nothing); with accumulation, the last step sums the accumulated
+        gradients. A no-op on ranks that hold neither end, or both.
+        """
+        if self.tied_peer is None or self.tied_param is None:
+            return
+        p, ctx = self.tied_param, self.ctx
+        if has_main_grad(p):
+            grad = p.main_grad
+        else:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grad = p.grad
+        theirs = torch.empty_like(grad)
+        peer = ctx.group_ranks("pp")[self.tied_peer]
+        ops = [dist.P2POp(dist.isend, grad.contiguous(), peer, group=ctx.pp_group),
+               dist.P2POp(dist.irecv, theirs, peer, group=ctx.pp_group)]
+        for work in ctx.comm.batch_isend_irecv(ops, label=TIED_LABEL):
+            work.wait()
+        grad.add_(theirs)
 
     def gather_timeline(self) -> Timeline:
         """The last step's events of every pipeline rank (collective over ``ctx.group("pp")``; needs
@@ -170,6 +220,23 @@ def _partition(model: GPT, ctx: ParallelContext, method: str, num_stages: int) -
     return partition_units(costs, num_stages)
 
 
+def _untie(model: GPT, *, is_last: bool, is_first: bool, meta: bool) -> None:
+    """Give the last stage's rank its own head weight, equal to the embedding's serial values (module doc).
+
+    The first stage's rank keeps ``wte.weight`` (its head is not one of its stages). On the last
+    stage's rank, a model with weights gets ``lm_head.weight`` as a copy; a model from the meta
+    device already materialised the one tied tensor through the head, so the head keeps it and
+    the unused embedding goes back to a shape-only meta tensor (no memory, no copy).
+    """
+    shared = model.wte.weight
+    if is_last and not is_first:
+        if meta:
+            model.wte.weight = nn.Parameter(torch.empty_like(shared, device="meta"),  # lslm: cpu-ok (shapes only)
+                                            requires_grad=shared.requires_grad)
+        else:
+            model.lm_head.weight = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
+
+
 def apply_pipeline(model: GPT, ctx: ParallelContext, plan: PipelinePlan, *, schedule: Any = None,
                    init_seed: int | None = None) -> PipelineModel:
     """Split ``model`` into the stages of ``plan``'s schedule over ``ctx``'s pipeline ranks; keep this rank's.
@@ -177,13 +244,14 @@ def apply_pipeline(model: GPT, ctx: ParallelContext, plan: PipelinePlan, *, sche
     ``schedule`` (optional) replaces ``build_schedule(plan.schedule, pp, m, v)``: any object with
     ``stage_to_rank``, ``actions(rank)``, ``name``, ``num_microbatches``, ``stages_per_rank`` (e.g. a
     hand-written list to try). This rank's stages move to ``ctx.device``. Raises ``ValueError`` for
-    plans :func:`check_plan` rejects and for tied embedding/head weights across ranks (their gradient
-    would need a sum between the first and last stage, which is not implemented).
+    plans :func:`check_plan` rejects. Tied embedding/head weights whose stages sit on different ranks
+    are untied into two copies whose gradients :meth:`PipelineModel.step` sums (module doc).
 
     A GPT built on the meta device needs ``init_seed`` (the seed the serial run builds it from):
     only this rank's stages are materialised, on ``ctx.device``, with exactly the serial weights
     (:func:`lslm.models.deferred_init.materialize_`); the other stages never take memory here.
-    The ``"time"`` partition measures forwards, so it needs a model with weights.
+    The ``"time"`` partition measures forwards, so it needs a model with weights. With tied weights
+    the last stage's rank materialises the head from the same serial draw as the embedding.
     """
     meta = is_meta(model)
     if meta and init_seed is None:
@@ -207,12 +275,13 @@ def apply_pipeline(model: GPT, ctx: ParallelContext, plan: PipelinePlan, *, sche
     if max(stage_to_rank) >= ctx.pp_size:
         raise ValueError(f"the schedule uses pipeline ranks up to {max(stage_to_rank)}, but pp={ctx.pp_size}")
     num_stages = len(stage_to_rank)
-    if model.lm_head.weight is model.wte.weight and stage_to_rank[0] != stage_to_rank[-1]:
-        raise ValueError("tied embedding/head weights on different pipeline ranks are not supported: build the "
-                         "GPT with tie_weights=False")
+    tied = model.lm_head.weight is model.wte.weight and stage_to_rank[0] != stage_to_rank[-1]
     stages = split_gpt(model, num_stages, boundaries=_partition(model, ctx, plan.partition, num_stages))
     if meta:
         held = {id(m) for s, stage in enumerate(stages) if stage_to_rank[s] == ctx.pp_rank for m in stage.modules()}
+        # A tied head is materialised with the embedding's serial values (one parameter, one draw).
         materialize_(model, ctx.device, seed=init_seed, keep=lambda name: id(model.get_submodule(name)) in held)
+    if tied:
+        _untie(model, is_last=ctx.pp_rank == stage_to_rank[-1], is_first=ctx.pp_rank == stage_to_rank[0], meta=meta)
     mine = {s: stage.to(ctx.device) for s, stage in enumerate(stages) if stage_to_rank[s] == ctx.pp_rank}
-    return PipelineModel(model, ctx, plan, schedule, mine)
+    return PipelineModel(model, ctx, plan, schedule, mine, tied=tied)

@@ -201,7 +201,8 @@ def _zb_h1(p: int, m: int, v: int, s2r: Sequence[int]) -> list[list[Action]]:
 
 
 def _dualpipev_rank(p: int, m: int, rank: int) -> list[Action]:
-    """DualPipeV on ``rank`` (DeepSeek-AI 2024, DeepSeek-V3 report sec. 3.2.1; deepseek-ai/DualPipe ``dualpipev.py``).
+    """DualPipeV on ``rank`` (deepseek-ai/DualPipe ``dualpipev.py``: the V-shaped "cut-in-half" of DualPipe, the
+    bidirectional schedule of the DeepSeek-V3 report, sec. 3.2.1).
 
     Chunk 0 is stage ``rank`` (going down the V), chunk 1 is stage ``2p-1-rank`` (coming back). Eight phases;
     the overlapped "F&B" of the reference (a forward of one chunk computed while the backward of the other

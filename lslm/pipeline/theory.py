@@ -17,21 +17,24 @@ interleaved    ``(p - 1)(F + B)`` with per-*chunk* F, B,     Narayanan et al. 20
                i.e. ``1/v`` of 1F1B's                        rank-stage's time; ``m % p == 0``
 zb-h1          ``(p - 1)(F + I - W)``                        Qi et al. 2023 sec. 2.1 (their ``B`` is our ``I``;
                                                              written ``(p-1)(F+B-2W)`` with a full ``B`` in
-                                                             DeepSeek-V3's table 2); exact here for ``m >= p``
+                                                             DeepSeek-V3's table 2 and the DualPipe README,
+                                                             "ZB1P"); exact here for ``m >= p``
                                                              and ``W <= min(F, I)``
-dualpipev      DeepSeek: ``(p - 1)(F&B + B - 3W)`` per       DeepSeek-V3 report table 2 writes
-               chunk; our serial F-then-B version            ``(PP/2 - 1)(F&B + B - 3W)`` where ``PP`` is the
-               measures ``(p - 1)(F + B - 2W)``              number of pipeline *stages* (chunks) and DualPipeV
-                                                             uses ``PP/2`` devices: ``PP = 2p`` here
+dualpipev      README: ``(p - 1)(F&B + B - 3W)`` per         the DualPipe repository's README (deepseek-ai/
+               chunk; our serial F-then-B version            DualPipe), DualPipeV row: ``(PP/2 - 1)(F&B + B -
+               measures ``(p - 1)(F + B - 2W)``              3W)`` on ``PP/2`` devices, ``PP`` the number of
+                                                             chunks: ``PP = 2p`` here (DualPipe's bubble in
+                                                             DeepSeek-V3's table 2, on ``PP`` devices)
 =============  ============================================  ====================================================
 
 DualPipeV note: the table's ``F&B`` is the time of one overlapped forward-and-backward chunk pair.
 Our schedules write that pair as ``F`` then ``B`` (nothing overlaps on one device), so ``F&B = F + B``
-and DeepSeek's count gives ``(p - 1)(F + 2B - 3W)``. The simulator's free-message timeline of our
+and the README's count gives ``(p - 1)(F + 2B - 3W)``. The simulator's free-message timeline of our
 DualPipeV idles less, ``(p - 1)(F + B - 2W)`` per rank (checked for ``B <= 2F`` with
 ``I = W = B/2``; larger ``B`` idles a little more); both stay below 1F1B on the same ``p`` ranks,
-``(p - 1)(2F + 2B)`` in chunk units. :func:`bubble_time_theory` returns DeepSeek's value and
-:func:`dualpipev_bubble_time_observed` ours.
+``(p - 1)(2F + 2B)`` in chunk units. :func:`bubble_time_theory` returns the README's value and
+:func:`dualpipev_bubble_time_observed` ours. The README derives DualPipeV from DualPipe (the schedule DeepSeek-V3
+trained with) by a "cut-in-half" procedure it credits to Sea AI Lab.
 
 Activation memory (peak **in-flight** micro-batch-stages on a rank: forwards whose ``B``/``I`` has not
 run, each holding one stage's activations for one micro-batch, the simulator's ``peak_in_flight``):
@@ -41,8 +44,9 @@ run, each holding one stage's activations for one micro-batch, the simulator's `
 * interleaved ``min((v - 1) p + 2 (p - 1 - rank) + 1, v m)``; divided by ``v`` (units of one micro-batch over
   ``L/p`` layers, the simulator's ``peak_activation_units``) rank 0 holds ``p (1 + (p - 1)/(p v))``,
   Narayanan et al. 2021 sec. 2.2.2's factor over 1F1B's ``p``;
-* dualpipev ``2p + 1`` chunk-micro-batches on every rank: DeepSeek-V3 table 2's ``PP + 1`` with ``PP = 2p``
-  stages and the unit "one chunk's activations for one micro-batch"; ``p + 1/2`` in ``L/p``-layer units.
+* dualpipev ``2p + 1`` chunk-micro-batches on every rank: the DualPipe README's ``PP + 1`` per device for DualPipeV
+  with ``PP = 2p`` chunks and the unit "one chunk's activations for one micro-batch"; ``p + 1/2`` in ``L/p``-layer
+  units.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ def busy_time(name: str, p: int, m: int, v: int = 1, costs: Mapping[str, float] 
 
 
 def bubble_time_theory(name: str, p: int, m: int, v: int = 1, costs: Mapping[str, float] | None = None) -> float:
-    """Idle time per rank over one step (module table; DualPipeV: DeepSeek-V3's value with ``F&B = F + B``).
+    """Idle time per rank over one step (module table; DualPipeV: the DualPipe README's value with ``F&B = F + B``).
 
     ``costs`` may give ``"F&B"`` for DualPipeV's overlapped pair (default ``F + B``).
     """
