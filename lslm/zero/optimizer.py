@@ -37,7 +37,8 @@ one unit of look-ahead) and freed after it; the gradient of the unit's output tr
 gather again before its backward (and starts the previous unit's); once the unit's
 gradients are in a staging buffer it is freed and reduce-scattered as at stage 2. The root
 stays gathered for the whole step. Per step each block moves twice in all-gathers and once in
-the reduce-scatter: the paper's ``3Ψ``. ``reshard_after_forward=False`` keeps each unit
+the reduce-scatter: the paper's ``3Ψ`` for the blocks; the root is gathered once, so the
+whole model moves ``3Ψ - Ψ_root``. ``reshard_after_forward=False`` keeps each unit
 gathered from its forward to its backward (FSDP2's option of that name): ``2Ψ``, and the
 memory of every unit at once. No all-gather after the step: the next forward gathers.
 """
@@ -141,6 +142,8 @@ class ZeroOptimizer:
             raise ValueError(f"max_inflight must be an int >= 1 (buckets reduced at once), got {max_inflight!r}")
         self.model, self.ctx, self.stage, self.dtype, self.scaler = model, ctx, stage, dtype, scaler
         self.max_inflight = max_inflight
+        #: Stage 3: the most buckets whose full parameters existed at once (gathered or on their way); 0 below.
+        self.max_buckets_gathered = 0
         if scaler is not None and scaler.comm is None:
             # Each rank checks only its slice: the overflow vote must span the group.
             scaler.comm, scaler.group = ctx.comm, ctx.group("dp")
@@ -254,8 +257,6 @@ class ZeroOptimizer:
             self._gathered: dict[int, torch.Tensor] = {}  # bucket -> its full parameters, while gathered
             self._gathering: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> (work, buffer) on its way
             self._root = len(self.buckets) - 1  # the parameters outside every unit: gathered for a whole step
-            #: The most buckets whose full parameters existed at once (gathered or on their way): memory's measure.
-            self.max_buckets_gathered = 0
             n = len(self.unit_modules)
             for b, module in enumerate(self.unit_modules):  # bucket b holds the (n-1-b)-th unit of the forward
                 following = b - 1 if b > 0 else None  # the next unit of the forward
@@ -293,11 +294,14 @@ class ZeroOptimizer:
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def memory_owners(self) -> dict[str, list[torch.Tensor]]:
-        """What ``lslm.metrics.memory_by_owner`` cannot find from the model: stage 2's gradient slices (stage 1's
-        whole buffer is every parameter's ``main_grad``); masters and states come from ``param_groups``/``state``."""
-        if self.stage == 1:
-            return {}
-        owned = {"gradients" if self.grad_dtype == self.dtype else "main_grads": [self.shard_grad]}
+        """What ``lslm.metrics.memory_by_owner`` cannot find from the model: the gradient slices of stages 2-3
+        (stage 1's whole buffer is every parameter's ``main_grad``), stage 3's parameter slices and gathered units,
+        offload's host gradient buffers; masters and states come from ``param_groups``/``state``."""
+        owned: dict[str, list[torch.Tensor]] = {}
+        if self.stage > 1:
+            owned["gradients" if self.grad_dtype == self.dtype else "main_grads"] = [self.shard_grad]
+        if self._host_grads:  # offload: the fp32 copy of this rank's gradient slice the host steps with
+            owned.setdefault("main_grads", []).extend(self._host_grads)
         if self.stage == 3:  # the parameters' persistent storage is this slice; gathered units are transient
             owned["parameters"] = [self.param_shard, *self._gathered.values()]
         return owned
