@@ -1,0 +1,252 @@
+"""ZeRO measured: what notebook 08 launches (one job for every entry) and what it runs in one process.
+
+``lslm.launch("lslm.demos.zero_demo:suite", nproc=2)`` trains the same GPT from one seed, on the
+same tokens (each rank its share of every batch), fp32 AdamW, once per *entry*: torch DDP, lslm's
+:class:`~lslm.zero.optimizer.ZeroOptimizer` at stages 1, 2, 3 (and 3 with CPU offload, and 3 with
+each block kept gathered from its forward to its backward), torch's ``ZeroRedundancyOptimizer``
+and FSDP2's ``fully_shard`` (per block, then the root: the same units as lslm's stage 3). Every
+rank returns, per entry: the losses, the model-state bytes it holds after a step by owner, the
+bytes its lslm collectives moved in one step (from the ledger), offload bytes, stage 3's
+``max_buckets_gathered``, and for stage 3 one step's gathers and reduce-scatters with issue and
+completion times (``ledger.timed()``). Rank 0 adds how far every entry's parameters are from
+DDP's and stage 3's from FSDP2's.
+
+:func:`fake_world` and :func:`state_bytes_at_scale` count the same bytes for one rank of 8, 16
+or 64 in this process, with PyTorch's fake process group (collectives return without moving
+data; partitioning is real). That backend lives in ``torch.testing._internal``, an internal API
+that may change between PyTorch releases: this module is lslm's one wrapper of it outside the tests.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lslm.models.gpt import GPT, GPTConfig
+
+__all__ = ["ENTRIES", "MODEL", "fake_world", "state_bytes_at_scale", "suite"]
+
+#: The course's GPT (the serial recipe's 1024-token vocabulary, 64-token blocks) with 4 blocks instead of 2, so that
+#: stage 3 has more units than it keeps gathered at once, and width 60 instead of 64, so that parameter sizes are
+#: not all multiples of the rank counts and padding shows.
+MODEL = dict(vocab_size=1024, block_size=64, n_layer=4, n_head=4, n_embd=60)
+ROWS = 2  # rows per rank per step
+STEPS = 4
+ENTRIES = ("ddp", "zero1", "zero2", "zero3", "zero3-keep", "zero3-offload", "torch-zero1", "fsdp2")
+LR = 1e-3
+
+
+def _groups(net: nn.Module) -> list[dict[str, Any]]:
+    params = [p for p in net.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _adamw(net: nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(_groups(net), lr=LR, betas=(0.9, 0.95), foreach=False)
+
+
+def _storage_bytes(tensors: Any) -> int:
+    """Bytes of the storages ``tensors`` view (a DTensor: its local shard), each storage once."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.numel():
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _held(net: nn.Module, opt: Any) -> dict[str, int]:
+    """Model-state bytes this rank holds, by owner (lslm: ``memory_by_owner``; torch: the storages)."""
+    from lslm.zero import ZeroOptimizer
+
+    if isinstance(opt, ZeroOptimizer):
+        from lslm.metrics import memory_by_owner
+
+        resident = memory_by_owner(net, opt).resident
+        held = {cat: sum(resident.get(cat, {}).values()) for cat in resident}
+        return {"parameters": held.get("parameters", 0),
+                "gradients": held.get("gradients", 0) + held.get("main_grads", 0),
+                "master_weights": held.get("master_weights", 0), "optimizer_states": held.get("optimizer_states", 0)}
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps this rank's optimizer in .optim
+    states = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return {"parameters": _storage_bytes(net.parameters()),
+            "gradients": _storage_bytes(p.grad for p in net.parameters() if p.grad is not None),
+            "master_weights": 0, "optimizer_states": _storage_bytes(states)}
+
+
+def _build(kind: str, serial: GPT, ctx: Any) -> tuple[nn.Module, Any, Any]:
+    """(model, optimizer, step(x, y) -> loss) of one entry."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lslm.zero import ZeroOptimizer
+
+    net = copy.deepcopy(serial)
+    if kind.startswith("zero"):
+        zero = ZeroOptimizer(net, _adamw(net), ctx, stage=int(kind[4]), offload="cpu" if "offload" in kind else None,
+                             reshard_after_forward="keep" not in kind)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            zero.zero_grad()
+            _, loss = net(x, y)
+            zero.backward(loss)
+            zero.step()
+            return loss.detach()
+        return net, zero, step
+    if kind in ("ddp", "torch-zero1"):
+        module: nn.Module = DistributedDataParallel(net)
+        opt: Any = (_adamw(net) if kind == "ddp" else
+                    ZeroRedundancyOptimizer(_groups(net), optimizer_class=torch.optim.AdamW, lr=LR,
+                                            betas=(0.9, 0.95), foreach=False))
+    else:
+        for block in net.blocks:
+            fully_shard(block)
+        module = fully_shard(net)
+        opt = _adamw(net)
+
+    def torch_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        _, loss = module(x, y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return net, opt, torch_step
+
+
+def _full_params(net: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
+    """Every parameter whole (stage 3 gathers them: collective; FSDP2's DTensors: full_tensor, collective)."""
+    from lslm.zero import ZeroOptimizer
+
+    if isinstance(opt, ZeroOptimizer) and opt.stage == 3:
+        return opt.full_state_dict()
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in net.named_parameters()}
+
+
+def suite(entries: list[str] | None = None, steps: int = STEPS, rows: int = ROWS,
+          model: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every entry on this rank (see the module doc); every rank returns its bytes, rank 0 also the comparisons."""
+    from lslm.runtime import init_distributed
+    from lslm.zero.optimizer import GATHER_LABEL, REDUCE_SCATTER_LABEL
+
+    entries = list(entries or ENTRIES)
+    with init_distributed(seed=0) as ctx:
+        world, rank, ledger = ctx.world_size, ctx.rank, ctx.comm.ledger
+        torch.manual_seed(0)
+        serial = GPT(GPTConfig(**(model or MODEL)))
+        cfg = serial.config
+        g = torch.Generator().manual_seed(1)
+        data = [torch.randint(0, cfg.vocab_size, (rows * world, cfg.block_size + 1), generator=g)
+                [rank * rows:(rank + 1) * rows] for _ in range(steps)]
+        out: dict[str, Any] = {"rank": rank, "world": world, "psi": sum(p.numel() for p in serial.parameters()),
+                               "shapes": [list(p.shape) for p in serial.parameters()], "entries": {}}
+        full: dict[str, dict[str, torch.Tensor]] = {}
+        for kind in entries:
+            net, opt, step = _build(kind, serial, ctx)
+            losses = []
+            for i, batch in enumerate(data):
+                since = len(ledger.records)
+                timed = kind == "zero3" and i == len(data) - 1
+                with ledger.timed(timed):
+                    t0 = time.perf_counter()  # the ledger's clock
+                    losses.append(float(step(batch[:, :-1], batch[:, 1:])))
+                recs = ledger.snapshot()[since:]
+            row: dict[str, Any] = {"losses": losses, "bytes": _held(net, opt)}
+            if kind.startswith("zero"):
+                row.update(rs_bytes=sum(r.nbytes for r in recs if r.label == REDUCE_SCATTER_LABEL),
+                           ag_bytes=sum(r.nbytes for r in recs if r.label == GATHER_LABEL),
+                           other_bytes=sum(r.nbytes for r in recs if r.label not in (REDUCE_SCATTER_LABEL,
+                                                                                     GATHER_LABEL)),
+                           padded_numel=opt.numel, owned=opt.layout.param_numel,
+                           bucket_numels=[z - a for a, z, _, _ in opt.buckets],
+                           offload_bytes=dict(opt.offload_bytes))
+                if opt.stage == 3:
+                    row["max_buckets_gathered"] = opt.max_buckets_gathered
+                    row["units"] = len(opt.unit_modules)
+                if timed:
+                    row["timeline"] = [{"op": r.op, "label": r.label, "nbytes": r.nbytes, "issue_s": r.issue_s - t0,
+                                        "done_s": (r.completion_s - t0) if r.completion_s is not None else None}
+                                       for r in recs if r.label in (REDUCE_SCATTER_LABEL, GATHER_LABEL)]
+            full[kind] = _full_params(net, opt)
+            out["entries"][kind] = row
+            ledger.reset()
+        if "ddp" in full:
+            for kind in entries:
+                out["entries"][kind]["max_param_diff_vs_ddp"] = max(
+                    float((full[kind][n] - full["ddp"][n]).abs().max()) for n in full["ddp"])
+        if "zero3" in full and "fsdp2" in full:
+            out["zero3_vs_fsdp2"] = max(float((full["zero3"][n] - full["fsdp2"][n]).abs().max()) for n in full["zero3"])
+        dist.barrier()  # DTensor users may abort at exit without one (DESIGN §10)
+    return out
+
+
+@contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """This process as ``rank`` of a ``world_size``-rank world on PyTorch's "fake" backend (no data moves).
+
+    The backend's store lives in ``torch.testing._internal`` (internal: it may change without notice).
+    Raises ``RuntimeError`` if a process group is already up in this process.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def state_bytes_at_scale(worlds: tuple[int, ...] = (8, 16, 64), stages: tuple[int, ...] = (1, 2, 3),
+                         model: dict[str, Any] | None = None, dtype: torch.dtype = torch.float16,
+                         bucket_cap_mb: float = 0.1) -> list[dict[str, Any]]:
+    """Model-state bytes of rank 0 and rank N-1 of ``N`` in ``worlds``, per stage, after one step, in this process.
+
+    fp16 parameters and gradients (ZeRO's mixed-precision accounting: ``2 + 2 + 12`` bytes per
+    parameter), AdamW. Each row: ``world``, ``stage``, ``rank``, ``psi`` (parameters), ``numel``
+    (the padded flat layout), ``owned`` (parameter elements of this rank's slices), ``pieces``,
+    ``bytes`` by owner.
+    """
+    from lslm.metrics import memory_by_owner
+    from lslm.runtime.context import ParallelContext
+    from lslm.runtime.grid import RankGrid
+    from lslm.zero import ZeroOptimizer
+
+    cfg = GPTConfig(**(model or MODEL))
+    rows = []
+    for world in worlds:
+        for stage in stages:
+            for rank in (0, world - 1):
+                with fake_world(rank, world):
+                    ctx = ParallelContext.create(RankGrid.build(world, dp=world), rank=rank, local_rank=rank,
+                                                 node_rank=0, device=torch.device("cpu"), backend="fake", timeout_s=5)
+                    torch.manual_seed(0)
+                    net = GPT(cfg)
+                    zero = ZeroOptimizer(net, _adamw(net), ctx, stage=stage, dtype=dtype, grad_dtype=dtype,
+                                         bucket_cap_mb=bucket_cap_mb)
+                    x = torch.randint(0, cfg.vocab_size, (1, 8))
+                    zero.zero_grad()
+                    zero.backward(net(x, x)[1])
+                    zero.step()  # nothing moves, but the optimizer's states now exist
+                    resident = memory_by_owner(net, zero).resident
+                    held = {cat: sum(resident.get(cat, {}).values()) for cat in resident}
+                    rows.append({"world": world, "stage": stage, "rank": rank,
+                                 "psi": sum(int(torch.Size(s).numel()) for s in zero.shapes), "numel": zero.numel,
+                                 "owned": zero.layout.param_numel, "pieces": len(zero.layout.pieces),
+                                 "buckets": len(zero.buckets),
+                                 "bytes": {"parameters": held.get("parameters", 0),
+                                           "gradients": held.get("gradients", 0) + held.get("main_grads", 0),
+                                           "master_weights": held.get("master_weights", 0),
+                                           "optimizer_states": held.get("optimizer_states", 0)}})
+    return rows

@@ -1,0 +1,59 @@
+"""Notebook 08's figures: model-state bytes per rank by owner next to ZeRO's formulas, stage 3's measured timeline."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import matplotlib.pyplot as plt
+
+__all__ = ["OWNERS", "plot_state_bytes", "plot_timeline"]
+
+OWNERS = (("parameters", "parameters", "#8ecae6"), ("gradients", "gradients", "#ffb703"),
+          ("master_weights", "fp32 masters", "#cdb4db"), ("optimizer_states", "optimizer states", "#90be6d"))
+
+
+def plot_state_bytes(bars: Sequence[tuple[str, Mapping[str, int]]], *, theory: Mapping[str, float] | None = None,
+                     psi: int, title: str) -> plt.Figure:
+    """Stacked bars of bytes by owner, one per ``(label, bytes by owner)``, in bytes per parameter (``/ psi``);
+    ``theory[label]`` (bytes per parameter) is drawn as a black tick on its bar."""
+    fig, ax = plt.subplots(figsize=(11, 4.2), dpi=80)
+    xs = range(len(bars))
+    bottom = [0.0] * len(bars)
+    for key, name, color in OWNERS:
+        vals = [b.get(key, 0) / psi for _, b in bars]
+        if any(vals):
+            ax.bar(xs, vals, bottom=bottom, color=color, edgecolor="black", lw=0.5, label=name)
+            bottom = [a + v for a, v in zip(bottom, vals)]
+    for x, (label, _) in zip(xs, bars):
+        if theory and label in theory:
+            ax.hlines(theory[label], x - 0.42, x + 0.42, color="black", lw=2,
+                      label="formula" if x == next(i for i, (lb, _) in enumerate(bars) if lb in theory) else None)
+        ax.text(x, bottom[x] + 0.15, f"{bottom[x]:.2f}", ha="center", fontsize=7)
+    ax.set_xticks(list(xs), [label for label, _ in bars], fontsize=7.5, rotation=30, ha="right")
+    ax.set_ylabel("bytes per parameter, per rank")
+    ax.set_ylim(0, 1.15 * max(bottom))
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, ncol=5, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def plot_timeline(records: Sequence[Mapping[str, Any]], *, title: str) -> plt.Figure:
+    """One row per collective kind, a bar from issue to completion per call (ms), its size written on it (KiB)."""
+    lanes = {"all_gather": 1, "reduce_scatter": 0}
+    names = {"all_gather": "all-gather (parameters)", "reduce_scatter": "reduce-scatter (gradients)"}
+    colors = {"all_gather": "#8ecae6", "reduce_scatter": "#ffb703"}
+    fig, ax = plt.subplots(figsize=(11, 2.8), dpi=80)
+    for r in records:
+        lane = lanes[r["op"]]
+        start, end = r["issue_s"] * 1e3, r["done_s"] * 1e3
+        ax.broken_barh([(start, max(end - start, 0.02))], (lane + 0.15, 0.7), facecolors=colors[r["op"]],
+                       edgecolors="black", lw=0.5)
+        ax.text(start, lane + 0.9, f"{r['nbytes'] / 1024:.0f}", fontsize=6.5, va="bottom")
+    ax.set_yticks([v + 0.5 for v in lanes.values()], [names[k] for k in lanes], fontsize=8)
+    ax.set_ylim(0, 2.3)
+    ax.set_xlabel("time since the step began (ms); numbers: KiB per call (the full unit)")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
