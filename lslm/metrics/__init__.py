@@ -16,6 +16,8 @@ Measurement (CPU and CUDA alike; :mod:`.memory` is the entry point and re-export
 Formulas (pure functions, no processes):
 
 * :mod:`.activation_theory` - one transformer layer's activation bytes, Korthikanti et al. (2022) Table 2;
+* :mod:`.zero_estimates` - ZeRO's model-state bytes per device: the paper's formulas, lslm's exact count, and
+  DeepSpeed's estimator rows re-derived from its conventions;
 * :mod:`.step_time` - bucketed DDP's step time: ring all-reduce cost, overlap with backward, where it turns
   communication-bound (:func:`predict_step`, :class:`LinkCost`);
 * :mod:`.collective_costs` - the alpha-beta-gamma model of every lslm collective: coefficients, fit, prediction.
