@@ -38,3 +38,14 @@ def test_model_states_per_rank_follow_the_stages(result: dict) -> None:
     assert rows["zero1"]["rs_bytes"] == rows["zero1"]["ag_bytes"] >= 4 * psi
     assert rows["zero3"]["ag_bytes"] > rows["zero3"]["rs_bytes"]
     assert rows["zero3-offload"]["offload_bytes"]["to_host"] == rows["zero3-offload"]["masters_bytes"]
+
+
+def test_the_offload_table_reads_its_rows() -> None:
+    from lslm.bench.zero_offload import table
+
+    row = {"num_parameters": 10, "peak_rss_bytes": [2e8, 3e8], "step_ms": [10.0, 12.0], "to_host_bytes": 0,
+           "to_device_bytes": 0, "disk_read_bytes": 0, "disk_write_bytes": 0, "losses": [1.0]}
+    rows = [dict(row, offload="none"), dict(row, offload="disk", peak_rss_bytes=[1.5e8, 1.5e8], step_ms=[24.0, 18.0],
+                                            disk_read_bytes=6e6, disk_write_bytes=6e6)]
+    text = table(rows)
+    assert "none" in text and "0.50x" in text and "2.00x" in text and "12.0" in text
