@@ -4,7 +4,11 @@
   parameters inside it (:func:`shard_layout`), FSDP2's per-parameter padding for comparison;
 * :mod:`.optimizer` - :class:`ZeroOptimizer`, stages 1-3: optimizer states and fp32 masters, gradients (2) and
   parameters (3) partitioned; gradients reduce-scattered (from stage 2: during backward), parameters all-gathered
-  in place on bucket views (stage 3: unit by unit, just in time, one unit prefetched).
+  in place on bucket views (stage 3: unit by unit, just in time, one unit prefetched), optimizer states offloaded to
+  the host or streamed from disk (:mod:`.disk`);
+* :mod:`.checkpoint` - sharded checkpoints: atomic per-rank shards, a manifest, any dp size on load, consolidation
+  and export to torch.distributed.checkpoint;
+* :mod:`.activations` - ZeRO-R's partitioned activation checkpoints under tensor parallelism.
 """
 
 from lslm.zero.layout import Piece, ShardLayout, fsdp_padding, shard_layout, unit_layout
