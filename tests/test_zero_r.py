@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from tests.helpers import run_workers
-from tests.zero_r_workers import B, CONFIG, T
+from tests.zero_r_workers import CONFIG, B, T
+
 
 @functools.cache
 def _suite() -> dict[str, Any]:

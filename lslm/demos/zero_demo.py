@@ -145,8 +145,9 @@ def suite(entries: list[str] | None = None, steps: int = STEPS, rows: int = ROWS
         serial = GPT(GPTConfig(**(model or MODEL)))
         cfg = serial.config
         g = torch.Generator().manual_seed(1)
-        data = [torch.randint(0, cfg.vocab_size, (rows * world, cfg.block_size + 1), generator=g)
-                [rank * rows:(rank + 1) * rows] for _ in range(steps)]
+        data = [torch.randint(0, cfg.vocab_size, (rows * world, cfg.block_size + 1),
+                              generator=g)[rank * rows:(rank + 1) * rows].to(ctx.device)  # lslm: cpu-ok (moved)
+                for _ in range(steps)]
         out: dict[str, Any] = {"rank": rank, "world": world, "psi": sum(p.numel() for p in serial.parameters()),
                                "shapes": [list(p.shape) for p in serial.parameters()], "entries": {}}
         full: dict[str, dict[str, torch.Tensor]] = {}
@@ -235,7 +236,7 @@ def state_bytes_at_scale(worlds: tuple[int, ...] = (8, 16, 64), stages: tuple[in
                     net = GPT(cfg)
                     zero = ZeroOptimizer(net, _adamw(net), ctx, stage=stage, dtype=dtype, grad_dtype=dtype,
                                          bucket_cap_mb=bucket_cap_mb)
-                    x = torch.randint(0, cfg.vocab_size, (1, 8))
+                    x = torch.randint(0, cfg.vocab_size, (1, 8))  # lslm: cpu-ok (the fake group is CPU-only)
                     zero.zero_grad()
                     zero.backward(net(x, x)[1])
                     zero.step()  # nothing moves, but the optimizer's states now exist

@@ -58,18 +58,18 @@ def reference_zero1_step(param: torch.Tensor, grad: torch.Tensor, state: dict, r
 
 def _param0(n: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(10 + n)
-    return torch.randn(n, generator=g)
+    return torch.randn(n, generator=g)  # lslm: cpu-ok (seeded on the host; the checker moves it to the device)
 
 
 def _grad(rank: int, call: int, n: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * rank + 100 * call + n)
-    return torch.randn(n, generator=g)
+    return torch.randn(n, generator=g)  # lslm: cpu-ok (seeded on the host; the checker moves it to the device)
 
 
 def _serial(n: int, world: int, calls: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(param before, mean gradient, momentum after) of each call, padded to a multiple of ``world``."""
     s = -(-n // world)
-    p, m, out = _padded(_param0(n), s * world), torch.zeros(s * world), []
+    p, m, out = _padded(_param0(n), s * world), torch.zeros(s * world), []  # lslm: cpu-ok (the host's reference)
     for c in range(calls):
         g = _padded(sum(_grad(r, c, n) for r in range(world)) / world, s * world)
         m_new = MOMENTUM * m + g
@@ -79,7 +79,7 @@ def _serial(n: int, world: int, calls: int) -> list[tuple[torch.Tensor, torch.Te
 
 
 def _padded(t: torch.Tensor, size: int) -> torch.Tensor:
-    out = torch.zeros(size)
+    out = torch.zeros(size)  # lslm: cpu-ok (the reference trajectory is computed on the host)
     out[:t.numel()] = t
     return out
 
@@ -96,7 +96,7 @@ def _diagnose(got: torch.Tensor, n: int, world: int, call: int) -> dict[str, Any
     want = (p_prev - LR * m_new)[:n]
     if _close(got, want):
         return None
-    m_prev = traj[call - 1][2] if call else torch.zeros(s * world)
+    m_prev = traj[call - 1][2] if call else torch.zeros(s * world)  # lslm: cpu-ok (host reference)
     summed = (p_prev - LR * (MOMENTUM * m_prev + world * g))[:n]
     if _close(got, summed):
         return {"kind": "no_average"}
