@@ -18,6 +18,7 @@ from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import RankGrid
 from lslm.zero import ZeroOptimizer, fsdp_padding, shard_layout
 from tests.helpers import fake_world, run_workers
+from tests.zero_workers import CONFIG
 
 #: fp32 after 3 AdamW steps, against DDP on the same ranks (all-reduce, then / N): a reduce-scatter sums in
 #: another order than gloo's all-reduce, and Adam's near-sign first updates carry a rounding in a cancelling sum
@@ -99,6 +100,17 @@ def test_stage3_gathers_units_just_in_time_and_keeps_only_its_slice(nproc: int, 
     # gathered between forward and backward (reshard_after_forward=False): 2Ψ, stage 2's traffic.
     assert r["stage3_reshardTrue_ag_bytes"] == 4 * (2 * sum(units) + root)
     assert r["stage3_reshardFalse_ag_bytes"] == r["stage3_reshardTrue_rs_bytes"] == 4 * (sum(units) + root)
+    # Built on the meta device, the same run bit for bit, and a rank's start never holds the whole model: its
+    # 1/N slice of the bf16 parameters (2 bytes), of the fp32 gradients (4) and its fp32 masters (4; none for the
+    # padding in its slices) stay, plus one full fp32 layer at a time on the way.
+    numel = sum(units) + root
+    assert r["stage3_meta_diff"] == 0.0
+    pad_bound = 4 * (nproc - 1) * (len(units) + 1)
+    assert 10 * numel // nproc - pad_bound <= r["stage3_meta_start_held"] <= 10 * numel // nproc
+    # on the way: the fp32 values of its slice (then cloned into the masters) and one full fp32 layer of the replay
+    c = CONFIG
+    largest_layer = max(c["n_embd"] * 4 * c["n_embd"] + 4 * c["n_embd"], c["vocab_size"] * c["n_embd"])
+    assert r["stage3_meta_start_peak"] <= r["stage3_meta_start_held"] + 4 * numel // nproc + 8 * largest_layer
 
 
 def _fake_ctx(world: int, rank: int) -> ParallelContext:

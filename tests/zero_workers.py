@@ -313,6 +313,22 @@ def suite(folder: str | None = None) -> dict[str, Any]:
         out[f"stage3_reshard{reshard}_rs_bytes"] = sum(r.nbytes for r in recs if r.label == REDUCE_SCATTER_LABEL)
         out[f"stage3_reshard{reshard}_diff"] = _max_diff(_full(z3, m3), _ddp(ctx, serial, batches[:1] * 2, None))
     out["stage3_bucket_numels"] = [z - a for a, z, _, _ in z3.buckets]
+    # Stage 3 from the meta device: each rank materialises only its slices (replaying the serial build), the same run.
+    from lslm.metrics.allocations import track_live_bytes
+
+    ref3, zref3, _ = _run_zero(ctx, serial, batches, stage=3, dtype=torch.bfloat16)
+    with track_live_bytes() as live:
+        with torch.device("meta"):
+            meta_model = GPT(GPTConfig(**CONFIG))
+        zero_m = ZeroOptimizer(meta_model, _adamw(meta_model), ctx, stage=3, dtype=torch.bfloat16,
+                               bucket_cap_mb=0.02, init_seed=0)
+    out["stage3_meta_start_peak"] = live.peak["cpu"]
+    out["stage3_meta_start_held"] = live.current["cpu"]
+    for x, y in batches:
+        zero_m.zero_grad()
+        zero_m.backward(meta_model(x.chunk(world)[ctx.rank], y.chunk(world)[ctx.rank])[1])
+        zero_m.step()
+    out["stage3_meta_diff"] = _max_diff(_full(zero_m, meta_model), _full(zref3, ref3))
     # ZeRO-Offload: the same arithmetic with the states and the step on the host, the bytes moved counted.
     for stage, dtype in ((1, torch.float32), (2, torch.bfloat16), (3, torch.float32)):
         tag = f"stage{stage}-{str(dtype)[6:]}"

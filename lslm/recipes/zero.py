@@ -98,14 +98,19 @@ def check_config(cfg: ZeroConfig, world_size: int) -> int:
 def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
     """The ZeRO technique on this rank: the model, ZeroOptimizer over AdamW, this replica's batches, the step."""
     dp = check_config(cfg, ctx.world_size)
-    model = build_model(cfg).to(ctx.device)
+    # Stage 3 keeps only a slice of the parameters: build on the meta device and materialise just that slice of
+    # the serial run's weights (lslm.models.deferred_init), so no rank ever holds the whole model.
+    meta = cfg.stage == 3
+    model = build_model(cfg, meta=meta)
+    if not meta:
+        model = model.to(ctx.device)
     model.train()
     dtype = PARAM_DTYPES[cfg.precision]
     scaler = DynamicLossScaler(init_scale=cfg.init_scale) if cfg.precision == "fp16" else None
     optimizer = ZeroOptimizer(model, adamw(list(model.parameters()), cfg), ctx, stage=cfg.stage, dtype=dtype,
                               scaler=scaler, grad_dtype=resolve_grad_dtype(cfg.grad_reduce_dtype, dtype),
                               bucket_cap_mb=cfg.bucket_cap_mb, reshard_after_forward=not cfg.keep_gathered,
-                              offload=cfg.offload, offload_dir=cfg.offload_dir)
+                              offload=cfg.offload, offload_dir=cfg.offload_dir, init_seed=cfg.seed if meta else None)
     blocks = token_blocks(cfg.block_size, cfg.vocab_size)
     sampler = make_sampler(blocks, "baseline", rank=ctx.dp_rank, world_size=dp, seed=cfg.seed)
     loader = DataLoader(blocks, batch_size=cfg.batch_size // dp, sampler=sampler, drop_last=True)

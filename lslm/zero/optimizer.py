@@ -56,6 +56,7 @@ from torch import nn
 from lslm.data_parallel.buckets import cap_bytes, flat_layout
 from lslm.data_parallel.grad_buffer import GradBuffer, has_main_grad
 from lslm.data_parallel.grad_sync import attach_grad_buffers
+from lslm.models.deferred_init import is_meta, serial_leaves
 from lslm.precision.scaler import DynamicLossScaler
 from lslm.runtime.context import ParallelContext
 from lslm.zero.disk import DiskStates
@@ -111,7 +112,8 @@ class ZeroOptimizer:
                  grad_dtype: torch.dtype = torch.float32, bucket_cap_mb: float | None = 25.0,
                  max_inflight: int = 2, units: list[nn.Module] | None = None,
                  reshard_after_forward: bool = True, offload: str | None = None,
-                 offload_dir: str | Path | None = None, disk_chunk_mb: float = 16.0) -> None:
+                 offload_dir: str | Path | None = None, disk_chunk_mb: float = 16.0,
+                 init_seed: int | None = None) -> None:
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage {stage!r} is not implemented here; choose one of {STAGES}")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -131,6 +133,12 @@ class ZeroOptimizer:
             raise ValueError("optimizer must be built over exactly the model's trainable parameters, each once")
         if any(p.dtype != torch.float32 for p in params):
             raise ValueError("build ZeroOptimizer on the fp32 model: it keeps fp32 masters before casting to dtype")
+        meta = is_meta(model)
+        if meta and (stage != 3 or init_seed is None):
+            raise ValueError("a model on the meta device needs stage=3 and init_seed=<the seed the serial run builds "
+                             "it from>: only stage 3 lets a rank hold its slice alone")
+        if not meta and init_seed is not None:
+            raise ValueError("init_seed is for a model built on the meta device; this model already holds weights")
         if any(has_main_grad(p) for p in params):
             raise ValueError("the model already has gradient buffers: ZeroOptimizer attaches its own, padded to the "
                              "data-parallel size")
@@ -167,7 +175,7 @@ class ZeroOptimizer:
         else:  # stage 3: one bucket per unit (gathered as a whole), the last unit of the forward first
             self.unit_modules, groups = _units(model, params, units)
             self.offsets, self.buckets, self.numel = unit_layout(groups, [p.numel() for p in params], self.world)
-        device = self.device = params[0].device
+        device = self.device = ctx.device if meta else params[0].device
         self.layout: ShardLayout = shard_layout([(a, z, idx) for a, z, idx, _ in self.buckets], self.offsets,
                                                 [p.numel() for p in self.params], self.rank, self.world)
         index = self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -190,9 +198,12 @@ class ZeroOptimizer:
         self.host = torch.device("cpu")
         #: Bytes the last step moved between device and host with ``offload="cpu"`` (gradients down, weights up).
         self.offload_bytes = {"to_host": 0, "to_device": 0}
+        # This rank's pieces of the fp32 weights: views of the parameters, or replayed from the serial build
+        # (lslm.models.deferred_init) when the model is on the meta device: the whole model never exists here.
+        values = _owned_values(model, self.params, self.layout, init_seed) if meta else [
+            self.params[pc.param].detach().reshape(-1)[pc.start:pc.stop] for pc in self.layout.pieces]
         if half or offload:
-            masters = [self._on_host(self.params[pc.param].detach().reshape(-1)[pc.start:pc.stop].clone())
-                       for pc in self.layout.pieces]
+            masters = [self._on_host(v.clone()) for v in values]
             if half:
                 model.to(dtype)
         self._shard_base = [0]
@@ -212,9 +223,12 @@ class ZeroOptimizer:
             self.param_shard = torch.zeros(self.layout.numel, dtype=dtype, device=device)
             owned = [self.param_shard[self._in_shard(pc.bucket, pc.offset):][:pc.numel] for pc in self.layout.pieces]
             with torch.no_grad():
-                for view, pc in zip(owned, self.layout.pieces):
-                    view.copy_(self.params[pc.param].detach().reshape(-1)[pc.start:pc.stop])
+                for view, value in zip(owned, values):
+                    view.copy_(value)
+            del values
             self._empty = torch.empty(0, dtype=dtype, device=device)
+            if meta:  # a meta tensor's data cannot be swapped for a real one: new parameters take their places
+                self._replace_meta_params(model)
             for p in self.params:
                 p.data = self._empty
         if not half and not offload:  # the fp32 parameters' own slice is what the optimizer updates: no copy at all
@@ -264,6 +278,21 @@ class ZeroOptimizer:
                 self._hooks.append(module.register_forward_pre_hook(self._pre_forward_hook(b, following)))
                 self._hooks.append(module.register_forward_hook(self._post_forward_hook(b, preceding)))
             self._hooks.append(model.register_forward_pre_hook(lambda _m, _a: self._ensure(self._root)))
+
+    def _replace_meta_params(self, model: nn.Module) -> None:
+        """Put a real (empty) parameter wherever a meta one was held; the order of ``self.params`` is kept."""
+        holders: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for attr, p in module._parameters.items():
+                if p is not None:
+                    holders.setdefault(id(p), []).append((module, attr))
+        for i, old in enumerate(self.params):
+            new = nn.Parameter(self._empty, requires_grad=old.requires_grad)
+            new.__dict__.update(old.__dict__)
+            for module, attr in holders.get(id(old), []):
+                module._parameters[attr] = new
+            self.params[i] = new
+        self._index = {id(p): i for i, p in enumerate(self.params)}
 
     def _on_host(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` where the offloaded states live: the host's memory, page-locked when the device is a GPU (so the
@@ -611,3 +640,22 @@ def _units(model: nn.Module, params: list[nn.Parameter],
     root = [i for i in range(len(params)) if i not in seen]
     # Backward produces the last unit's gradients first: reverse forward order, the root (embedding: last) at the end.
     return list(units)[::-1], groups[::-1] + [root]
+
+
+def _owned_values(model: nn.Module, params: list[nn.Parameter], layout: ShardLayout,
+                  seed: int) -> list[torch.Tensor]:
+    """This rank's pieces of the serial build's fp32 weights for a model on the meta device, one leaf at a time."""
+    index = {id(p): i for i, p in enumerate(params)}
+    by_param: dict[int, list[int]] = {}
+    for k, pc in enumerate(layout.pieces):
+        by_param.setdefault(pc.param, []).append(k)
+    values: list[torch.Tensor | None] = [None] * len(layout.pieces)
+    for name, full in serial_leaves(model, seed):
+        leaf = model.get_submodule(name)
+        for attr, value in full.named_parameters(recurse=False):
+            i = index.get(id(getattr(leaf, attr)))
+            for k in by_param.get(i, []) if i is not None else []:
+                pc = layout.pieces[k]
+                values[k] = value.detach().reshape(-1)[pc.start:pc.stop].clone()
+    assert all(v is not None for v in values)
+    return values  # type: ignore[return-value]
