@@ -154,6 +154,27 @@ def _params(zero: ZeroOptimizer, model: GPT) -> GPT:
     return model if zero.stage < 3 else _full(zero, model)
 
 
+def _ddp_from(ctx: ParallelContext, serial: GPT, folder: Any, batches: list) -> GPT:
+    """DDP (all-reduce, / N, AdamW) continuing from a checkpoint's consolidated parameters and optimizer state."""
+    from lslm.zero.checkpoint import consolidate
+
+    params, state = consolidate(folder, with_state=True)
+    plain = GPT(serial.config)
+    plain.load_state_dict(params)
+    opt = _adamw(plain)
+    for n, p in plain.named_parameters():
+        opt.state[p] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state[n].items()}
+    world, rank = ctx.world_size, ctx.rank
+    for x, y in batches:
+        opt.zero_grad()
+        plain(x.chunk(world)[rank], y.chunk(world)[rank])[1].backward()
+        for p in plain.parameters():
+            torch.distributed.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+    return plain
+
+
 def checkpoints(ctx: ParallelContext, serial: GPT, batches: list, folder: str) -> dict[str, Any]:
     """Save after 2 steps, resume in a fresh optimizer, 2 more steps: the same parameters as without the break.
     Also: load the checkpoint another world size saved (``folder/w2``, if there), and refuse bad ones."""
@@ -194,22 +215,11 @@ def checkpoints(ctx: ParallelContext, serial: GPT, batches: list, folder: str) -
     out["resume_disk"] = _max_diff(model_d, model_e)
     four = root / "w4" / "stage3-float32" / "step2"
     if world == 2 and four.exists():  # 4 -> 2: a stage-3 checkpoint of 4 ranks, continued here at stage 2
-        params, state = consolidate(four, with_state=True)
+        params, _ = consolidate(four, with_state=True)
         model_f, zero_f = _fresh(ctx, serial, 2)
         load_zero(zero_f, four)
         out["reshard_4_exact"] = all(torch.equal(p.detach(), params[n]) for n, p in model_f.named_parameters())
-        plain = GPT(serial.config)
-        plain.load_state_dict(params)
-        opt = _adamw(plain)
-        for n, p in plain.named_parameters():
-            opt.state[p] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state[n].items()}
-        for x, y in batches[2:]:
-            opt.zero_grad()
-            plain(x.chunk(world)[rank], y.chunk(world)[rank])[1].backward()
-            for p in plain.parameters():
-                torch.distributed.all_reduce(p.grad)
-                p.grad /= world
-            opt.step()
+        plain = _ddp_from(ctx, serial, four, batches[2:])
         _train(zero_f, model_f, batches[2:], world, rank)
         out["reshard_4_to_here"] = _max_diff(model_f, plain)
     other = root / "w2" / "stage1-float32" / "step2"
@@ -223,19 +233,7 @@ def checkpoints(ctx: ParallelContext, serial: GPT, batches: list, folder: str) -
             out["reshard_exact"] = all(torch.equal(p2[n], p3[n]) for n in p2) and all(
                 torch.equal(torch.as_tensor(s2[n][k]), torch.as_tensor(s3[n][k])) for n in s2 for k in s2[n])
         # And the run goes on as DDP would from that state, on this many ranks.
-        params, state = consolidate(other, with_state=True)
-        plain = GPT(serial.config)
-        plain.load_state_dict(params)
-        opt = _adamw(plain)
-        for n, p in plain.named_parameters():
-            opt.state[p] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state[n].items()}
-        for x, y in batches[2:]:
-            opt.zero_grad()
-            plain(x.chunk(world)[rank], y.chunk(world)[rank])[1].backward()
-            for p in plain.parameters():
-                torch.distributed.all_reduce(p.grad)
-                p.grad /= world
-            opt.step()
+        plain = _ddp_from(ctx, serial, other, batches[2:])
         _train(zero_r, model_r, batches[2:], world, rank)
         out["reshard_2_to_here"] = _max_diff(model_r, plain)
         model_r3, zero_r3 = _fresh(ctx, serial, 3)

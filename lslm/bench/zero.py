@@ -105,34 +105,13 @@ def _entry(kind: str, serial: Any, ctx: Any) -> tuple[Any, Any, Any]:
     return net, opt, torch_step
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+def _memory(net: Any, opt: Any) -> dict[str, int]:
+    """Bytes by owner on this rank after a step (storages counted once; FSDP2's local shards)."""
+    from lslm.metrics.held import held_by_owner
 
-
-def _bytes(tensors: Any) -> int:
-    seen: dict[Any, int] = {}
-    for t in tensors:
-        t = _local(t)
-        if t.numel():
-            seen[(t.device.type, t.untyped_storage().data_ptr())] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
-def _memory(kind: str, net: Any, opt: Any) -> dict[str, int]:
-    """Bytes by owner on this rank after a step (storages counted once)."""
-    if kind.startswith("zero"):
-        from lslm.metrics import memory_by_owner
-
-        resident = memory_by_owner(net, opt).resident
-        held = {cat: sum(resident.get(cat, {}).values()) for cat in resident}
-        return {"params_bytes": held.get("parameters", 0),
-                "grads_bytes": held.get("gradients", 0) + held.get("main_grads", 0),
-                "masters_bytes": held.get("master_weights", 0), "optimizer_bytes": held.get("optimizer_states", 0)}
-    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its rank's optimizer in .optim
-    states = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return {"params_bytes": _bytes(net.parameters()),
-            "grads_bytes": _bytes(p.grad for p in net.parameters() if p.grad is not None),
-            "masters_bytes": 0, "optimizer_bytes": _bytes(states)}
+    held = held_by_owner(net, opt)
+    return {"params_bytes": held["parameters"], "grads_bytes": held["gradients"],
+            "masters_bytes": held["master_weights"], "optimizer_bytes": held["optimizer_states"]}
 
 
 def worker(model: dict[str, Any], rows: int, entries: list[str], steps: int = 10, warmup: int = 2,
@@ -187,7 +166,7 @@ def worker(model: dict[str, Any], rows: int, entries: list[str], steps: int = 10
                 "ag_bytes": sum(r.nbytes for r in recs if r.label == GATHER_LABEL) if lslm_sees else None,
                 "offload_bytes": dict(opt.offload_bytes) if lslm_sees else None,
                 "disk_bytes": dict(opt.disk.bytes_moved) if lslm_sees and opt.disk is not None else None,
-                **_memory(kind, net, opt)})
+                **_memory(net, opt)})
         result = {"world": world, "model": model, "rows_per_rank": rows, "steps": steps, "warmup": warmup,
                   "threads": torch.get_num_threads(), "backend": ctx.backend, "device": str(dev),
                   "num_parameters": sum(p.numel() for p in serial.parameters()),

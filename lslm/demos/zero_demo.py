@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lslm.metrics.held import held_by_owner
 from lslm.models.gpt import GPT, GPTConfig
 
 __all__ = ["ENTRIES", "MODEL", "fake_world", "state_bytes_at_scale", "suite"]
@@ -51,35 +52,6 @@ def _groups(net: nn.Module) -> list[dict[str, Any]]:
 
 def _adamw(net: nn.Module) -> torch.optim.AdamW:
     return torch.optim.AdamW(_groups(net), lr=LR, betas=(0.9, 0.95), foreach=False)
-
-
-def _storage_bytes(tensors: Any) -> int:
-    """Bytes of the storages ``tensors`` view (a DTensor: its local shard), each storage once."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        if t.numel():
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
-def _held(net: nn.Module, opt: Any) -> dict[str, int]:
-    """Model-state bytes this rank holds, by owner (lslm: ``memory_by_owner``; torch: the storages)."""
-    from lslm.zero import ZeroOptimizer
-
-    if isinstance(opt, ZeroOptimizer):
-        from lslm.metrics import memory_by_owner
-
-        resident = memory_by_owner(net, opt).resident
-        held = {cat: sum(resident.get(cat, {}).values()) for cat in resident}
-        return {"parameters": held.get("parameters", 0),
-                "gradients": held.get("gradients", 0) + held.get("main_grads", 0),
-                "master_weights": held.get("master_weights", 0), "optimizer_states": held.get("optimizer_states", 0)}
-    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps this rank's optimizer in .optim
-    states = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return {"parameters": _storage_bytes(net.parameters()),
-            "gradients": _storage_bytes(p.grad for p in net.parameters() if p.grad is not None),
-            "master_weights": 0, "optimizer_states": _storage_bytes(states)}
 
 
 def _build(kind: str, serial: GPT, ctx: Any) -> tuple[nn.Module, Any, Any]:
@@ -161,7 +133,7 @@ def suite(entries: list[str] | None = None, steps: int = STEPS, rows: int = ROWS
                     t0 = time.perf_counter()  # the ledger's clock
                     losses.append(float(step(batch[:, :-1], batch[:, 1:])))
                 recs = ledger.snapshot()[since:]
-            row: dict[str, Any] = {"losses": losses, "bytes": _held(net, opt)}
+            row: dict[str, Any] = {"losses": losses, "bytes": held_by_owner(net, opt)}
             if kind.startswith("zero"):
                 row.update(rs_bytes=sum(r.nbytes for r in recs if r.label == REDUCE_SCATTER_LABEL),
                            ag_bytes=sum(r.nbytes for r in recs if r.label == GATHER_LABEL),

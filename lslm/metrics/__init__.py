@@ -9,6 +9,8 @@ Measurement (CPU and CUDA alike; :mod:`.memory` is the entry point and re-export
 * :mod:`.owners` / :mod:`.breakdown` - :func:`memory_by_owner`, bytes by owner (parameters, gradients, master
   weights, main grads, optimizer states, communication buffers, activations) x device, resident and logical;
 * :mod:`.storage` - the counting rule they share (one storage counted once);
+* :mod:`.held` - :func:`held_by_owner`, model-state bytes by owner for lslm's optimizers and PyTorch's sharded
+  peers (FSDP2's local shards, ZeroRedundancyOptimizer's own optimizer) in one table;
 * :mod:`.allocations` - :func:`count_allocations`, the bytes each aten op allocates (copies by name), on any
   device: what a communication layout costs in copies; :func:`track_live_bytes`, the exact peak of the bytes
   a block of code holds at once (what building a model costs a rank at start).

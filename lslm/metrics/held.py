@@ -1,0 +1,57 @@
+"""Model-state bytes a rank holds after a step, by owner, for lslm's optimizers and PyTorch's alike.
+
+:func:`lslm.metrics.memory_by_owner` reads lslm's objects (gradient buffers, fp32 masters, ZeRO's
+slices through ``memory_owners()``). PyTorch's sharded peers need two more rules to be counted the
+same way: FSDP2's parameters, gradients and states are DTensors whose local shard is what the rank
+holds (``to_local()``), and ``ZeroRedundancyOptimizer`` keeps this rank's optimizer in ``.optim``.
+:func:`held_by_owner` applies them, so a bench or a notebook can put every technique in one table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lslm.metrics.memory import memory_by_owner
+
+__all__ = ["OWNERS", "held_by_owner"]
+
+#: The owners :func:`held_by_owner` reports, in the ZeRO paper's model-state order.
+OWNERS = ("parameters", "gradients", "master_weights", "optimizer_states")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        t = _local(t)
+        if t.numel():
+            seen[(t.device.type, t.untyped_storage().data_ptr())] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def held_by_owner(model: nn.Module, optimizer: Any) -> dict[str, int]:
+    """Bytes of :data:`OWNERS` this rank holds now (storages counted once; fp32 ``main_grads`` count as gradients).
+
+    An optimizer with ``memory_owners()`` (lslm's) is counted by :func:`memory_by_owner`;
+    any other through its parameters, their gradients and its ``state`` (``.optim``'s for
+    ``ZeroRedundancyOptimizer``), each DTensor by its local shard.
+    """
+    if hasattr(optimizer, "memory_owners"):
+        resident = memory_by_owner(model, optimizer).resident
+        held = {cat: sum(resident.get(cat, {}).values()) for cat in resident}
+        return {"parameters": held.get("parameters", 0),
+                "gradients": held.get("gradients", 0) + held.get("main_grads", 0),
+                "master_weights": held.get("master_weights", 0),
+                "optimizer_states": held.get("optimizer_states", 0)}
+    inner = getattr(optimizer, "optim", optimizer)
+    states = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return {"parameters": _storage_bytes(model.parameters()),
+            "gradients": _storage_bytes(p.grad for p in model.parameters() if p.grad is not None),
+            "master_weights": 0, "optimizer_states": _storage_bytes(states)}
