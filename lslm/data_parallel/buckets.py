@@ -66,11 +66,19 @@ def flat_layout(extents: Sequence[int], itemsize: int, cap: int | None,
     if not isinstance(pad_to, int) or isinstance(pad_to, bool) or pad_to < 1:
         raise ValueError(f"pad_to must be an int >= 1, got {pad_to!r}")
     sizes = [n * itemsize for n in extents]
-    plan = plan_buckets(sizes, cap if cap is not None else max(1, sum(sizes)))
+    return layout_groups(plan_buckets(sizes, cap if cap is not None else max(1, sum(sizes))), extents, pad_to)
+
+
+def layout_groups(groups: Sequence[Sequence[int]], extents: Sequence[int],
+                  pad_to: int = 1) -> tuple[list[int], list[tuple[int, int, list[int], int]], int]:
+    """Lay ``groups`` of tensor indices out one bucket after the other, each padded to a multiple of ``pad_to``.
+
+    The result has :func:`flat_layout`'s form; ZeRO-3 uses it with one group per unit (a block).
+    """
     offsets = [0] * len(extents)
     buckets = []
     position = 0
-    for idx in plan:
+    for idx in groups:
         start = position
         for i in idx:
             offsets[i] = position

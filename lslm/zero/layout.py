@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lslm.data_parallel.buckets import layout_groups
+
 __all__ = ["Piece", "ShardLayout", "fsdp_padding", "shard_layout", "unit_layout"]
 
 
@@ -94,17 +96,7 @@ def unit_layout(groups: Sequence[Sequence[int]], numels: Sequence[int],
     padded to a multiple of ``world``. Returns ``(offsets, buckets, numel)`` in the form of
     :func:`lslm.data_parallel.buckets.flat_layout`.
     """
-    offsets = [0] * len(numels)
-    buckets, position = [], 0
-    for idx in groups:
-        start = position
-        for i in idx:
-            offsets[i] = position
-            position += numels[i]
-        padded = -(-(position - start) // world) * world
-        buckets.append((start, start + padded, list(idx), padded - (position - start)))
-        position = start + padded
-    return offsets, buckets, position
+    return layout_groups(groups, numels, world)
 
 
 def fsdp_padding(shapes: Sequence[Sequence[int]], world: int) -> int:
