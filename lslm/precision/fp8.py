@@ -135,7 +135,10 @@ def quantize(x: torch.Tensor, fmt: str | torch.dtype = "e4m3", block: tuple[int 
     br, bc = block_shape(tuple(x2.shape), block)
     if amax is not None and (br, bc) != tuple(x2.shape):
         raise ValueError("a given amax (delayed scaling) is one number for the whole tensor: use block=(None, None)")
-    a = _block_amax(x2, br, bc) if amax is None else torch.as_tensor(amax, dtype=torch.float32).reshape(1, 1)
+    if amax is None:
+        a = _block_amax(x2, br, bc)
+    else:
+        a = torch.as_tensor(amax, dtype=torch.float32, device=x2.device).reshape(1, 1)
     if scale_rule == "amax":
         s = torch.where(a > 0, a / torch.finfo(dtype).max, torch.ones_like(a))
     elif scale_rule == "e8m0":
