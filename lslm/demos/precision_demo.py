@@ -156,11 +156,13 @@ def fp16_without_scaling(steps: int = 10, loss_weight: float = 1.0, init_scale: 
             "final_gap_u": gap, "affects_loss": affects, "summary": summary}
 
 
-def _autocast_run(cfg: TrainConfig, dtype: torch.dtype, steps: int, init_scale: float) -> dict[str, Any]:
+def _autocast_run(cfg: TrainConfig, dtype: torch.dtype, steps: int, init_scale: float,
+                  growth_interval: int = 2000) -> dict[str, Any]:
     """PyTorch's way: fp32 weights and AdamW, ``torch.autocast`` casts per op, GradScaler for fp16 only."""
     gpt = build_model(cfg)
     opt = optimizer_factory(cfg)(list(gpt.parameters()))
-    gs = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=dtype == torch.float16)
+    gs = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval,
+                              enabled=dtype == torch.float16)
     out: dict[str, Any] = {"loss": [], "scale": [], "stepped": []}
     for x, y in demo_batches(cfg, steps):
         opt.zero_grad(set_to_none=True)
@@ -180,8 +182,11 @@ def _autocast_run(cfg: TrainConfig, dtype: torch.dtype, steps: int, init_scale: 
 
 
 def scaler_first_steps(steps: int = 12, init_scale: float = 2.0**16, batch_size: int = 8, seed: int = 0,
-                       with_gradscaler: bool = True, **model: Any) -> dict[str, Any]:
+                       with_gradscaler: bool = True, growth_interval: int = 2000, **model: Any) -> dict[str, Any]:
     """The first steps of fp16 training with a GradScaler-like :class:`DynamicLossScaler` (hysteresis 1).
+
+    ``growth_interval``: clean steps before the scale doubles (GradScaler's default 2000; a
+    few, to see the scale grow within a short run), the same for both scalers.
 
     Per step of lslm's fp16 mode: ``scale`` (used by that step), ``stepped`` (False: an
     overflow, the step skipped and the scale halved), ``loss`` and ``max_abs_grad`` (the
@@ -197,13 +202,15 @@ def scaler_first_steps(steps: int = 12, init_scale: float = 2.0**16, batch_size:
     def probe(gpt: nn.Module, mp: Any, _: Any) -> None:
         grads.append(max(p.main_grad.abs().max().item() for p in gpt.parameters()) / mp.loss_scale)
 
-    run = _train_lslm(cfg, "fp16", steps, scaler=_gradscaler_like(init_scale), probe=probe)
+    if not isinstance(growth_interval, int) or growth_interval < 1:
+        raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+    run = _train_lslm(cfg, "fp16", steps, scaler=_gradscaler_like(init_scale, growth_interval), probe=probe)
     lslm = {k: run[k] for k in ("scale", "stepped", "loss")} | {"max_abs_grad": grads}
     clean = [g for g, ok in zip(grads, run["stepped"]) if ok]
     headroom = math.floor(math.log2(FORMATS["fp16"].max / clean[0])) if clean else None
     out = {"lslm": lslm, "init_scale": init_scale, "headroom_log2": headroom, "fp16_max": FORMATS["fp16"].max}
     if with_gradscaler:
-        gs = _autocast_run(cfg, torch.float16, steps, init_scale)
+        gs = _autocast_run(cfg, torch.float16, steps, init_scale, growth_interval)
         out["gradscaler"] = {k: gs[k] for k in ("scale", "stepped", "loss")}
     return out
 

@@ -9,6 +9,8 @@
   (:data:`PRECISION_MODES`): one option for every recipe.
 * :mod:`~lslm.precision.bytes` - model-state bytes per parameter, measured, and the
   conventions (16, 18, 20, 8) side by side.
+* :mod:`~lslm.precision.rounding` - stochastic rounding to bf16 and Kahan summation: how pure
+  bf16 training (no fp32 masters) keeps updates smaller than a bf16 spacing.
 * :mod:`~lslm.precision.formats` - fp32 / fp16 / bf16 / fp8 facts from ``torch.finfo``, bit
   layouts, and where a model's gradients fall in a format's range (underflow, the loss-scale window).
 """
