@@ -242,7 +242,6 @@ def _convert_streamed(model: nn.Module, ctx: ParallelContext, opts: TPOptions, p
             place_leaf_(model, name, full, ctx.device)
             if style is not None:  # marks only (SequenceSharded)
                 _convert(name, model.get_submodule(name), style, ctx, opts, padded)
-        del full
 
 
 def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, plan: TPPlan | None = None, *,

@@ -91,16 +91,17 @@ def save_zero(zero: ZeroOptimizer, folder: str | Path, *, step: int, extra: Mapp
     torch.save(payload, buf)
     data = buf.getvalue()
     name = shard_name(zero.rank, zero.world)
+    error: OSError | None = None
     try:
         atomic_write_bytes(folder / name, data)
-        ok = torch.ones(1, device=zero.device)
     except OSError as e:  # a full disk, a read-only folder: every rank must hear of it, not hang
-        ok, error = torch.zeros(1, device=zero.device), e
+        error = e
+    ok = torch.full((1,), 0.0 if error is not None else 1.0, device=zero.device)
     record = {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
               "ranges": [[p["param"], p["start"], p["stop"]] for p in pieces]}
     zero.ctx.comm.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=zero.group, label="zero checkpoint")
     if not bool(ok.item()):
-        if "error" in locals():
+        if error is not None:
             raise OSError(f"could not write {folder / name}: {error}") from error
         raise OSError(f"another rank could not write its shard into {folder}; no manifest written, so the previous "
                       "checkpoint stays the last complete one")
