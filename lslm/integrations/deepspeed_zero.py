@@ -12,14 +12,20 @@ On a machine where DeepSpeed is not importable or its ops cannot compile (no C++
 :func:`deepspeed_available` says why, and the tests, bench rows and demo that need it skip with that reason.
 
 **What DeepSpeed keeps per rank, fp32 AdamW** (counted by :func:`lslm.metrics.held.held_by_owner` after a step;
-``Ψ`` parameters, ``N`` ranks). Stages 1 and 2 flatten the module's parameters into one fp32 buffer per group
-that every rank keeps *whole* (``bit16_groups_flat``: the module's weights are views into it), and build a
-*separate* fp32 copy of this rank's partition for the optimizer (``single_partition_of_fp32_groups``), even when
-the model is already fp32: ``4Ψ + 4Ψ/N + 8Ψ/N`` bytes, 10 bytes/param at N = 2 (lslm's stage 1 steps views of
-the parameters themselves in fp32: ``4Ψ + 8Ψ/N`` for the same two owners). The gradients of that partition exist
-during the step only (DeepSpeed sets them to ``None`` after it), so none are held between steps. Stage 3 keeps
-only the partition of the weights; in fp32 its "master" partition *is* that partition (no copy), and it keeps a
-persistent gradient partition buffer: ``(4 + 4 + 8)Ψ/N``, 8 bytes/param at N = 2, like lslm's stage 3 and FSDP2.
+``Ψ`` parameters, ``N`` ranks; measured with DeepSpeed 0.19.8, tests/test_zero_deepspeed.py). Stages 1 and 2
+flatten the module's parameters into one fp32 buffer per parameter group that every rank keeps *whole*
+(``bit16_groups_flat``: the module's weights are views into it), and build a *separate* fp32 copy of this rank's
+partition for the optimizer (``single_partition_of_fp32_groups``), even when the model is already fp32. The
+gradient of that partition exists during the step only (DeepSpeed sets it to ``None`` after), so none is held
+between steps: ``4Ψ + 4Ψ/N + 8Ψ/N`` bytes, **10 bytes/param at N = 2** (7 at N = 4). lslm's stage 1 steps views
+of the fp32 parameters themselves (no copy) but keeps the whole fp32 gradient buffer: ``4Ψ + 4Ψ + 8Ψ/N``, 12 at
+N = 2; its stage 2 keeps the gradient slice: ``4Ψ + 4Ψ/N + 8Ψ/N``, the same 10. Stage 3 partitions everything,
+and in fp32 still keeps the fp32 partition as a copy of the parameter partition, plus a persistent gradient
+partition buffer: ``(4 + 4 + 4 + 8)Ψ/N``, 10 bytes/param at N = 2, against lslm's and FSDP2's ``16Ψ/N`` (8).
+Staging buffers (stage 3's reduce bucket, offload's temporary gradient buffers) are communication buffers, not
+model states, and are not in these counts (nor are torch DDP's buckets). DeepSpeed's stage-2 estimator
+(``estimate_zero2_model_states_mem_needs``) counts the mixed-precision case instead: 2Ψ of 16-bit weights plus
+``18Ψ/N``, its comment's 2 (16-bit gradients) + 4 (fp32 gradients) + 4 (fp32 masters) + 8 (Adam's moments).
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def deepspeed_available(build: bool = True) -> tuple[bool, str]:
     """``(True, what was found)`` if DeepSpeed can run here, else ``(False, why not)``.
 
