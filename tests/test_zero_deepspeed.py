@@ -75,3 +75,28 @@ def test_config_refuses_bad_input() -> None:
     cfg = ds_config(3, 2, 2, offload="cpu")
     assert cfg["train_batch_size"] == 4 and cfg["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert cfg["zero_force_ds_cpu_optimizer"] is False  # the client AdamW, not DeepSpeed's compiled CPU Adam
+
+
+def test_the_notebook_demo_shows_the_same_losses() -> None:
+    """lslm.demos.deepspeed_side_by_side: lslm stage 3, FSDP2 and DeepSpeed stage 3, same losses, bytes by owner."""
+    from lslm.demos.deepspeed_side_by_side import ENTRIES, deepspeed_side_by_side
+
+    ok, why = deepspeed_available()
+    if not ok:
+        pytest.skip(why)
+    r = deepspeed_side_by_side(steps=2)
+    assert list(r["losses"]) == list(ENTRIES) and all(len(v) == 2 for v in r["losses"].values())
+    # fp32 at 2 ranks: one order for every sum, the same AdamW arithmetic: bit for bit (measured)
+    assert r["losses"]["deepspeed zero3"] == r["losses"]["fsdp2"] == r["losses"]["lslm zero3"]
+    assert max(r["param_diff_vs_lslm"].values()) == 0.0
+    per = r["bytes_per_param"]  # 16 bytes/param / 2 ranks; DeepSpeed also keeps an fp32 copy of its partition
+    assert abs(sum(per["lslm zero3"].values()) - 8) < 0.01 and abs(sum(per["deepspeed zero3"].values()) - 10) < 0.01
+    assert "deepspeed zero3" in r["table"].splitlines()[1]
+
+
+def test_the_demo_skips_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lslm.demos import deepspeed_side_by_side as demo
+
+    monkeypatch.setattr(demo, "deepspeed_available", lambda build=True: (False, "no C++ compiler"))
+    r = demo.deepspeed_side_by_side()
+    assert r == {"skipped": "no C++ compiler", "table": "DeepSpeed side by side: skipped (no C++ compiler)"}

@@ -35,7 +35,8 @@ from lslm.bench.checks import at_least, world_sizes
 from lslm.bench.devices import device_env
 from lslm.harness import Report, StepTimer, Variant, run_variants
 
-__all__ = ["BENCH_MODEL", "DEEPSPEED_ENTRIES", "ENTRIES", "QUICK_MODEL", "plot", "print_table", "ratios", "run", "worker"]
+__all__ = ["BENCH_MODEL", "DEEPSPEED_ENTRIES", "ENTRIES", "QUICK_MODEL", "plot", "print_table", "ratios", "run",
+           "worker"]
 
 #: 6 blocks of width 192, vocabulary 2048: 3.5 M parameters (14 MB in fp32).
 BENCH_MODEL = dict(vocab_size=2048, block_size=64, n_layer=6, n_head=6, n_embd=192)
