@@ -43,6 +43,11 @@ def test_model_states_per_rank_follow_the_stages(result: dict) -> None:
     assert rows["zero1"]["rs_bytes"] == rows["zero1"]["ag_bytes"] >= 4 * psi
     assert rows["zero3"]["ag_bytes"] > rows["zero3"]["rs_bytes"]
     assert rows["zero3-offload"]["offload_bytes"]["to_host"] == rows["zero3-offload"]["masters_bytes"]
+    # torch's dispatcher sees the same reduce-scatters and all-gathers as lslm's ledger, and FSDP2 moves as much
+    for entry in ("zero1", "zero2", "zero3"):
+        seen = rows[entry]["collectives"]
+        assert seen["reduce_scatter"][1] == rows[entry]["rs_bytes"] and seen["all_gather"][1] == rows[entry]["ag_bytes"]
+    assert rows["fsdp2"]["collectives"]["all_gather"][1] == rows["zero3"]["ag_bytes"]
 
 
 def test_deepspeed_rows_count_its_partitions(result: dict) -> None:
@@ -61,8 +66,18 @@ def test_deepspeed_rows_count_its_partitions(result: dict) -> None:
         r = rows[entry]
         for owner, per in (("params_bytes", 2), ("grads_bytes", grads), ("masters_bytes", 2), ("optimizer_bytes", 4)):
             assert per * psi <= r[owner] <= per * psi + 2 * pad, (entry, owner)
-    for entry in zero.DEEPSPEED_ENTRIES:  # its collectives bypass lslm's ledger: no bytes claimed
+    for entry in zero.DEEPSPEED_ENTRIES:  # its collectives bypass lslm's ledger: no ledger bytes claimed
         assert rows[entry]["rs_bytes"] is None and rows[entry]["ag_bytes"] is None
+    # ... but torch's dispatcher sees them. Stages 1-2: gradients all-reduced (+ 8 bytes of flags), then the whole
+    # flat fp32 buffer all-gathered, one call per parameter group. Stage 3: the whole padded buffer reduce-scattered
+    # once; gathered once here, since DeepSpeed keeps gathered parameters until the step while they fit its
+    # stage3_max_live_parameters (1e9 by default): 2Ψ of traffic for this model, not 3Ψ.
+    for entry in ("deepspeed1", "deepspeed2"):
+        seen, r = rows[entry]["collectives"], rows[entry]
+        assert seen["all_gather"] == [2, r["params_bytes"]] and 0 <= seen["all_reduce"][1] - r["params_bytes"] <= 16
+    for entry in ("deepspeed3", "deepspeed3-offload"):
+        seen, r = rows[entry]["collectives"], rows[entry]
+        assert seen["reduce_scatter"][1] == seen["all_gather"][1] == 2 * r["params_bytes"]
     last = result["text"].strip().splitlines()[-1]
     assert "zero3/deepspeed3 p=2" in last and "zero3-offload/deepspeed3-offload p=2" in last
 

@@ -17,7 +17,8 @@ Per entry and rank, also: bytes by owner after a step (parameters, gradients, fp
 optimizer states; local shards of FSDP2's DTensors; DeepSpeed's partitions by
 :func:`lslm.metrics.held.held_by_owner`'s rule; torch DDP's own bucket copy of the gradients and DeepSpeed's
 staging buffers are communication buffers, not counted), one step's collectives and bytes
-where lslm's ledger sees them (lslm's entries: torch's and DeepSpeed's collectives bypass it), offload bytes,
+where lslm's ledger sees them (lslm's entries: torch's and DeepSpeed's collectives bypass it; every entry's, by
+kind, as torch's dispatcher sees them: :func:`~lslm.metrics.dispatched_collectives.count_collectives`), offload bytes,
 and the largest loss difference from DDP over the run (rounding). The last printed line is the step-time
 ratios the issue targets: stage 1 / ZeroRedundancyOptimizer, stage 3 / FSDP2 and stage 3 / DeepSpeed stage 3.
 """
@@ -138,6 +139,7 @@ def _memory(net: Any, opt: Any) -> dict[str, int]:
 def worker(model: dict[str, Any], rows: int, entries: list[str], steps: int = 10, warmup: int = 2,
            threads: int = 1, seed: int = 0, device: str | None = None) -> dict[str, Any]:
     """One rank of the benchmark (see the module doc); rank 0 returns the rows, the others ``{"rank"}``."""
+    from lslm.metrics.dispatched_collectives import count_collectives
     from lslm.metrics.memory import peak_rss_bytes
     from lslm.models.gpt import GPT, GPTConfig
     from lslm.runtime import init_distributed
@@ -175,7 +177,8 @@ def worker(model: dict[str, Any], rows: int, entries: list[str], steps: int = 10
             start = len(ledger.records)
             timer = StepTimer(dev)
             timer.start()
-            step(timer, x, y)  # one more step: its traffic, then the memory it leaves
+            with count_collectives() as seen:  # every entry's collectives, as torch's dispatcher sees them
+                step(timer, x, y)  # one more step: its traffic, then the memory it leaves
             recs = ledger.records[start:]
             lslm_sees = kind.startswith("zero")
             base = losses["ddp"] if "ddp" in losses else losses[kind]
@@ -187,6 +190,7 @@ def worker(model: dict[str, Any], rows: int, entries: list[str], steps: int = 10
                 "ag_bytes": sum(r.nbytes for r in recs if r.label == GATHER_LABEL) if lslm_sees else None,
                 "offload_bytes": dict(opt.offload_bytes) if lslm_sees else None,
                 "disk_bytes": dict(opt.disk.bytes_moved) if lslm_sees and opt.disk is not None else None,
+                "collectives": seen.as_dict(),
                 **_memory(net, opt)})
         result = {"world": world, "model": model, "rows_per_rank": rows, "steps": steps, "warmup": warmup,
                   "threads": torch.get_num_threads(), "backend": ctx.backend, "device": str(dev),
@@ -246,6 +250,11 @@ def print_table(results: dict[int, dict[str, Any]], report: Report | None = None
             "all-gathers as lslm's ledger counts them (lslm's entries only: torch's and DeepSpeed's collectives "
             "bypass it); process "
             f"peak RSS, all entries of the job: {res['process_peak_rss_bytes'] / MIB:.0f} MiB)")
+        peers = [r for r in res["rows"] if r["entry"].startswith(("fsdp2", "deepspeed")) and r.get("collectives")]
+        if peers:
+            out("collectives of one step outside lslm's ledger, as torch's dispatcher sees them (calls x MiB): " +
+                "; ".join(f"{r['entry']} " + ", ".join(f"{k} {c} x {_mib(b)}" for k, (c, b) in r["collectives"].items())
+                          for r in peers))
         for entry, why in res.get("skipped", {}).items():
             out(f"{entry}: skipped ({why})")
 
