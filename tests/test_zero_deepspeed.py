@@ -100,3 +100,13 @@ def test_the_demo_skips_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(demo, "deepspeed_available", lambda build=True: (False, "no C++ compiler"))
     r = demo.deepspeed_side_by_side()
     assert r == {"skipped": "no C++ compiler", "table": "DeepSpeed side by side: skipped (no C++ compiler)"}
+
+
+def test_no_compiler_is_a_reason_to_skip(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Without a C++ compiler DeepSpeed's CPU op cannot build: the check says so (and names the compiler)."""
+    if not deepspeed_available()[0]:
+        pytest.skip(deepspeed_available()[1])
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    ok, why = deepspeed_available.__wrapped__()  # uncached: a fresh check in a child process
+    assert not ok and "C++ compiler" in why and "no-such-c++" in why

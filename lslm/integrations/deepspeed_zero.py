@@ -31,8 +31,9 @@ model states, and are not in these counts (nor are torch DDP's buckets). DeepSpe
 from __future__ import annotations
 
 import functools
+import json
 import os
-import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -64,38 +65,62 @@ def prepare_environment() -> Path:
     return folder
 
 
-def _compiler() -> str | None:
-    # torch.utils.cpp_extension builds with $CXX, else c++.
-    return shutil.which(os.environ.get("CXX", "c++"))
+#: Run in a child process by :func:`deepspeed_available`: import DeepSpeed, find the op its accelerator needs,
+#: build or load it; print ``[ok, message]`` as JSON.
+_CHECK = """
+import json, sys
+build = sys.argv[1] == "1"
+try:
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+except Exception as exc:
+    print(json.dumps([False, f"deepspeed is not importable: {type(exc).__name__}: {exc}"]))
+    sys.exit()
+what = f"deepspeed {deepspeed.__version__} ({get_accelerator().device_name()}"
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+    print(json.dumps([True, what + ", no op to build)"]))
+    sys.exit()
+if build:
+    import os, shutil
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        print(json.dumps([False, f"DeepSpeed needs a C++ compiler ({cxx}) to build its {builder.NAME} op, and "
+                                 "none is on PATH"]))
+        sys.exit()
+    try:
+        builder.load(verbose=False)
+    except Exception as exc:
+        print(json.dumps([False, f"DeepSpeed's {builder.NAME} op did not compile: {type(exc).__name__}: {exc}"]))
+        sys.exit()
+print(json.dumps([True, what + f", op {builder.NAME} cached in " + sys.argv[2] + ")"]))
+"""
 
 
 @functools.cache
-def deepspeed_available(build: bool = True) -> tuple[bool, str]:
+def deepspeed_available(build: bool = True, timeout: float = 1200.0) -> tuple[bool, str]:
     """``(True, what was found)`` if DeepSpeed can run here, else ``(False, why not)``.
 
-    Checks that ``deepspeed`` imports and, where its accelerator needs one (the CPU accelerator's shared-memory
-    op), that a C++ compiler exists and, with ``build=True``, that the op compiles (or loads from the cache in
-    :func:`extensions_dir`: the first call in a fresh environment takes about 75 s on 2 cores, later ones
-    milliseconds). Building here, in one process, also spares the ranks of a job racing to compile it.
+    Checks, in a child process (so that neither a test session nor a notebook kernel imports DeepSpeed), that
+    ``deepspeed`` imports and, where its accelerator needs one (the CPU accelerator's shared-memory op), that a
+    C++ compiler (``$CXX``, else ``c++``: what torch's extension builder calls) exists and, with ``build=True``,
+    that the op compiles or loads from the cache in
+    :func:`extensions_dir` (the first call in a fresh environment compiles: about 75 s on 2 idle cores; later
+    ones load it). Building here, once, also spares the ranks of a job racing to compile it. The answer is
+    cached for the life of this process.
     """
     folder = prepare_environment()
     try:
-        import deepspeed
-        from deepspeed.accelerator import get_accelerator
-    except Exception as exc:  # ImportError, or DeepSpeed failing its own import-time checks
-        return False, f"deepspeed is not importable: {type(exc).__name__}: {exc}"
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-        return True, f"deepspeed {deepspeed.__version__} ({get_accelerator().device_name()}, no op to build)"
-    if _compiler() is None:
-        return False, (f"DeepSpeed {deepspeed.__version__} needs a C++ compiler ({os.environ.get('CXX', 'c++')}) "
-                       f"to build its {builder.NAME} op, and none is on PATH")
-    if build:
-        try:
-            builder.load(verbose=False)
-        except Exception as exc:
-            return False, f"DeepSpeed's {builder.NAME} op did not compile: {type(exc).__name__}: {exc}"
-    return True, f"deepspeed {deepspeed.__version__} ({get_accelerator().device_name()}, ops cached in {folder})"
+        done = subprocess.run([sys.executable, "-c", _CHECK, "1" if build else "0", str(folder)], capture_output=True,
+                              text=True, timeout=timeout, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(folder)})
+    except subprocess.TimeoutExpired:
+        return False, f"DeepSpeed's op did not build within {timeout:.0f} s"
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return False, f"the DeepSpeed check failed (exit code {done.returncode}): {tail}"
+    ok, message = json.loads(lines[-1])
+    return bool(ok), str(message)
 
 
 def ds_config(stage: int, micro_batch: int, world_size: int, *, offload: str | None = None,
@@ -140,10 +165,7 @@ def build_engine(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int,
     """``deepspeed.initialize`` on ``model`` and the client ``optimizer`` (built over ``model``'s parameters) in
     the process group that is already joined; returns the engine (``engine(x, y)``, ``engine.backward(loss)``,
     ``engine.step()``; call ``engine.destroy()`` before the group ends: without it a rare abort at exit)."""
-    prepare_environment()
-    ok, why = deepspeed_available()
-    if not ok:
-        raise RuntimeError(why)
+    prepare_environment()  # before the import: where its ops are cached (the launching process checked them)
     import deepspeed
 
     world = torch.distributed.get_world_size()
