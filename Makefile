@@ -39,6 +39,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "lslm needs Python >= 3.10; set PYTHON=python3.x")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet "$(TORCH)" $(TORCH_INDEX)
+	$(BIN)/python -m pip install --quiet "setuptools>=64" wheel  # what a build without isolation needs (3.12's venv has none)
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet --no-build-isolation $(DEEPSPEED)
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
