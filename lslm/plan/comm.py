@@ -1,0 +1,193 @@
+"""Communication per step, per axis: which collectives, how many bytes, on which link, how long.
+
+Each entry is a :class:`Collective`: an algorithm of :func:`lslm.metrics.collective_costs.cost_coefficients`
+(ring all-reduce, all-gather, reduce-scatter) or a point-to-point send, its payload ``S`` (the whole buffer:
+what an all-reduce reduces, what an all-gather returns), the group size ``n``, how many times per step, and the
+link it runs on (:meth:`lslm.plan.hardware.Hardware.link`). Its time is the alpha-beta model along the
+critical path, ``a alpha + b S beta`` per call (``2(n - 1)`` messages and ``2(n-1)/n S`` bytes for a ring
+all-reduce; ``n - 1`` and ``(n-1)/n S`` for all-gather and reduce-scatter; 1 and ``S`` for a send).
+
+* **dp** (``dp · cp`` ranks; Rajbhandari et al. 2020 §7): stage 0 all-reduces the gradients (``2Ψ`` elements
+  through each rank); stages 1-2 reduce-scatter the gradients and all-gather the updated parameters (``Ψ + Ψ``,
+  the same volume); stage 3 all-gathers each layer before its forward and again before its backward and
+  reduce-scatters its gradients, **every micro-batch** (``3Ψ`` per micro-batch; the embedding/head root is
+  gathered once per step, as lslm does). Messages are buckets of ``bucket_mb`` (stage 3: one per layer).
+* **tp** (``t`` ranks; Shoeybi et al. 2019 §3, Korthikanti et al. 2022 §4.2.2), per layer and micro-batch,
+  ``A = e · s b h``: without sequence parallelism two all-reduces of ``A`` in the forward and two in the
+  backward; with it, each becomes an all-gather and a reduce-scatter, plus two all-gathers in the backward that
+  re-gather the saved sharded inputs (Megatron's and lslm's choice). Full recomputation repeats the forward's.
+  The first stage adds the embedding's all-reduce (reduce-scatter with SP), the last the head's (one
+  all-gather with SP in the forward, one all-reduce or reduce-scatter in the backward) and three all-reduces
+  of ``4 s b`` bytes for the vocabulary-parallel cross-entropy.
+* **pp** (Narayanan et al. 2021 §2.2): per micro-batch and chunk, one activation forward and one gradient
+  backward of ``e · s b h`` (``/t`` with SP), ``v`` chunks per rank.
+* **cp**: not modelled yet (``None``): context parallelism is the next chapter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lslm.metrics.collective_costs import cost_coefficients
+from lslm.plan.hardware import Hardware, Link
+from lslm.plan.layout import Layout
+from lslm.plan.memory import stage_split
+from lslm.plan.model import ModelSpec
+from lslm.plan.states import bytes_per_element
+
+__all__ = ["AXES", "AxisComm", "Collective", "communication"]
+
+AXES = ("dp", "tp", "pp", "cp")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """``count`` calls of ``algorithm`` on ``n`` ranks with ``payload`` bytes each, over ``link``."""
+
+    axis: str
+    label: str
+    algorithm: str  #: a name of :func:`lslm.metrics.collective_costs.cost_coefficients`, or "p2p"
+    payload: float
+    n: int
+    count: float
+    link: Link
+    formula: str
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends over all calls (the ``b S`` term: ``2(n-1)/n S`` for a ring all-reduce)."""
+        return self.count * self._coefficients()[1] * self.payload
+
+    @property
+    def time_s(self) -> float:
+        """Alpha-beta time of all calls back to back."""
+        a, b, _ = self._coefficients()
+        cost = self.link.cost
+        return self.count * (a * cost.alpha_s + b * self.payload * cost.beta_s_per_byte)
+
+    def _coefficients(self) -> tuple[float, float, float]:
+        if self.n <= 1:
+            return 0.0, 0.0, 0.0
+        if self.algorithm == "p2p":
+            return 1.0, 1.0, 0.0
+        return cost_coefficients(self.algorithm, self.n)
+
+
+@dataclass(frozen=True)
+class AxisComm:
+    """One axis's collectives per step on the most loaded device."""
+
+    axis: str
+    group: int
+    link: Link
+    collectives: tuple[Collective, ...]
+
+    @property
+    def payload_bytes(self) -> float:
+        """Sum of payloads x calls (what the ledger records as bytes)."""
+        return sum(c.payload * c.count for c in self.collectives)
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends per step."""
+        return sum(c.wire_bytes for c in self.collectives)
+
+    @property
+    def time_s(self) -> float:
+        """All of the axis's communication back to back (before any overlap)."""
+        return sum(c.time_s for c in self.collectives)
+
+
+def _calls(total_bytes: float, bucket_bytes: float) -> tuple[float, float]:
+    """(count, payload) for ``total_bytes`` cut into buckets of at most ``bucket_bytes`` (equal-sized here)."""
+    if total_bytes <= 0:
+        return 0.0, 0.0
+    count = math.ceil(total_bytes / bucket_bytes)
+    return float(count), total_bytes / count
+
+
+def _dp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> AxisComm:
+    n = layout.dp * layout.cp
+    link = hw.link(n * layout.tp)
+    width = bytes_per_element(layout)
+    layer_part, root = stage_split(model, layout, stage)
+    psi = layer_part + root
+    g, p = width["gradients"] * psi, width["parameters"] * psi
+    bucket = layout.bucket_mb * 2**20
+    out: list[Collective] = []
+    if layout.zero == 0:
+        c, s = _calls(g, bucket)
+        out.append(Collective("dp", "gradient all-reduce", "all_reduce_ring", s, n, c, link, "2Ψ (all-reduce, g·Ψ)"))
+    elif layout.zero in (1, 2):
+        c, s = _calls(g, bucket)
+        out.append(Collective("dp", "gradient reduce-scatter", "reduce_scatter_ring", s, n, c, link, "Ψ (g·Ψ)"))
+        c, s = _calls(p, bucket)
+        out.append(Collective("dp", "parameter all-gather", "all_gather_ring", s, n, c, link, "Ψ (p·Ψ)"))
+    else:
+        layers = model.n_layer // layout.pp
+        one = layer_part // layers
+        pl, gl = width["parameters"] * one, width["gradients"] * one
+        out += [Collective("dp", "layer all-gather (forward)", "all_gather_ring", pl, n, layers * m, link,
+                           "Ψ per micro-batch"),
+                Collective("dp", "layer all-gather (backward)", "all_gather_ring", pl, n, layers * m, link,
+                           "Ψ per micro-batch"),
+                Collective("dp", "layer gradient reduce-scatter", "reduce_scatter_ring", gl, n, layers * m, link,
+                           "Ψ per micro-batch")]
+        if root:
+            out += [Collective("dp", "root all-gather (once per step)", "all_gather_ring", width["parameters"] * root,
+                               n, 1, link, "Ψ_root"),
+                    Collective("dp", "root gradient reduce-scatter", "reduce_scatter_ring",
+                               width["gradients"] * root, n, 1, link, "Ψ_root")]
+    return AxisComm("dp", n, link, tuple(out))
+
+
+def _tp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> AxisComm:
+    t = layout.tp
+    link = hw.link(t)
+    e = 4 if layout.precision == "fp32" else 2
+    s, b, h = model.seq_len // layout.cp, model.micro_batch, model.hidden
+    a = e * s * b * h
+    layers = model.n_layer // layout.pp
+    fwd_passes = 2 if layout.recompute == "full" else 1
+    out: list[Collective] = []
+    if layout.sequence_parallel:
+        out += [Collective("tp", "layer all-gather", "all_gather_ring", a, t, (2 * fwd_passes + 4) * layers * m, link,
+                           "2 forward (+2 recompute) + 2 backward + 2 re-gathers per layer"),
+                Collective("tp", "layer reduce-scatter", "reduce_scatter_ring", a, t,
+                           (2 * fwd_passes + 2) * layers * m, link, "2 forward (+2 recompute) + 2 backward per layer")]
+    else:
+        out.append(Collective("tp", "layer all-reduce", "all_reduce_ring", a, t, (2 * fwd_passes + 2) * layers * m,
+                              link, "2 forward (+2 recompute) + 2 backward per layer"))
+    if stage == 0:
+        algo = "reduce_scatter_ring" if layout.sequence_parallel else "all_reduce_ring"
+        out.append(Collective("tp", "embedding output", algo, a, t, m, link, "vocabulary-parallel embedding"))
+    if stage == layout.pp - 1:
+        if layout.sequence_parallel:
+            out.append(Collective("tp", "head input all-gather", "all_gather_ring", a, t, m, link, "forward"))
+            out.append(Collective("tp", "head input-gradient reduce-scatter", "reduce_scatter_ring", a, t, m, link,
+                                  "backward"))
+        else:
+            out.append(Collective("tp", "head input-gradient all-reduce", "all_reduce_ring", a, t, m, link,
+                                  "backward of f"))
+        out.append(Collective("tp", "cross-entropy statistics", "all_reduce_ring", 4 * s * b, t, 3 * m, link,
+                              "max, sum of exp, target logit (fp32)"))
+    return AxisComm("tp", t, link, tuple(out))
+
+
+def _pp(model: ModelSpec, layout: Layout, hw: Hardware, m: int) -> AxisComm:
+    span = 2 * layout.dp * layout.cp * layout.tp
+    link = hw.link(span)
+    e = 4 if layout.precision == "fp32" else 2
+    region = layout.tp if layout.sequence_parallel else 1
+    a = e * model.seq_len // layout.cp * model.micro_batch * model.hidden / region
+    sends = 2 * layout.v * m
+    return AxisComm("pp", layout.pp, link, (
+        Collective("pp", "activation / gradient send", "p2p", a, layout.pp, sends, link,
+                   "per micro-batch and chunk: 1 forward + 1 backward of e·sbh (/t with SP)"),))
+
+
+def communication(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> dict[str, AxisComm | None]:
+    """Each axis's communication per step on one device of pipeline stage ``stage`` (``cp``: ``None``)."""
+    return {"dp": _dp(model, layout, hw, m, stage), "tp": _tp(model, layout, hw, m, stage),
+            "pp": _pp(model, layout, hw, m), "cp": None}

@@ -1,0 +1,319 @@
+"""lslm.plan, the memory / communication / time calculator: published figures reproduced, lslm's own bytes
+matched exactly, bad layouts refused.
+
+Each test cites the figure it reproduces. Counts that a library can give us are measured here (lslm's GPT,
+Hugging Face's Llama on the meta device, lslm's ZeRO optimizer in torch's fake process group), not typed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lslm.data_parallel.buckets import cap_bytes, flat_layout
+from lslm.metrics.activation_theory import korthikanti_layer_bytes
+from lslm.metrics.held import held_by_owner
+from lslm.metrics.zero_estimates import deepspeed_zero2_estimate, deepspeed_zero3_estimate, lslm_bytes, paper_bytes
+from lslm.models.gpt import GPT, GPTConfig
+from lslm.pipeline.theory import activation_memory_theory, bubble_time_theory, busy_time
+from lslm.plan import Layout, ModelSpec, estimate, hardware_presets, model_presets, search
+from lslm.plan.activations import in_flight_layers, layer_activation_bytes
+from lslm.plan.params import gpt_tensor_numels, largest_tensor, megatron_params, param_parts, playbook_params
+from lslm.plan.states import model_states
+from lslm.plan.timing import model_flops, narayanan_flops
+from lslm.runtime.context import ParallelContext
+from lslm.runtime.grid import RankGrid
+from lslm.zero.layout import unit_layout
+from lslm.zero.optimizer import ZeroOptimizer
+from tests.helpers import fake_world
+
+H100 = hardware_presets()["h100-sxm"]
+
+
+def _states(psi: int, **layout: object) -> float:
+    return model_states(psi, Layout(**layout)).device_bytes  # type: ignore[arg-type]
+
+
+# -- model states: the ZeRO paper, Megatron, DeepSpeed ------------------------------------------------
+def test_zero_paper_7_5b_on_64_devices() -> None:
+    """Rajbhandari et al. 2020, Figure 1 and §5.4: Ψ = 7.5B, N_d = 64, mixed precision Adam (K = 12):
+    120 / 31.4 / 16.6 / 1.9 GB per device for DDP and stages 1, 2, 3."""
+    psi = 7_500_000_000
+    got = [_states(psi, dp=64, zero=z, precision="fp16", grad_dtype="param") for z in (0, 1, 2, 3)]
+    assert [round(b / 1e9, 1) for b in got] == [120.0, 31.4, 16.6, 1.9]
+    assert got == [paper_bytes(z, psi, 64) for z in (0, 1, 2, 3)]  # lslm.metrics' formula, to the byte
+
+
+@pytest.mark.parametrize("d", [2, 4, 8, 64])
+def test_megatron_bytes_per_parameter(d: int) -> None:
+    """Megatron-LM, docs "Distributed Optimizer": bytes per parameter with bf16 parameters and fp32 gradients are
+    18 without the distributed optimizer and 6 + 12/d with it (d data-parallel ranks); fp32 parameters and
+    gradients: 16 and 8 + 8/d."""
+    psi = 3 * 2**20 * 64  # divisible by every d: no padding
+    assert _states(psi, dp=d, zero=0, precision="bf16") == 18 * psi
+    assert _states(psi, dp=d, zero=1, precision="bf16") == (6 + 12 / d) * psi
+    assert _states(psi, dp=d, zero=0, precision="fp32") == 16 * psi
+    assert _states(psi, dp=d, zero=1, precision="fp32") == (8 + 8 / d) * psi
+
+
+def test_deepspeed_estimator_rows_for_gpt2_small_on_8_devices() -> None:
+    """DeepSpeed's estimate_zero2/zero3_model_states_mem_needs (re-derived in lslm.metrics.zero_estimates) for GPT-2
+    small (124,439,808 parameters, tied head; the largest layer the 50,257 x 768 embedding) on one node of 8.
+
+    Stage 3 without offload: DeepSpeed's ``4 · largest + 18Ψ/N``; ours partitions the same 2 + 4 + 4 + 8 = 18
+    bytes and keeps its gathered layers as communication buffers, not the largest layer in fp32. Stage 2:
+    DeepSpeed's ``2Ψ + 18Ψ/N`` counts a 2-byte fp16 gradient partition beside the fp32 one; lslm (and Megatron)
+    reduce-scatter straight into the fp32 ``main_grad`` slice: ``2Ψ + 16Ψ/N``.
+    """
+    gpt2 = model_presets()["gpt2-small"]
+    psi, n = param_parts(gpt2).total, 8
+    assert psi == 124_439_808 and largest_tensor(gpt2) == 50_257 * 768
+    z3 = deepspeed_zero3_estimate(psi, largest_tensor(gpt2), gpus_per_node=n)[4]
+    ours3 = _states(psi, dp=n, zero=3)
+    assert ours3 == 18 * psi / n and z3.gpu_bytes - ours3 == 4 * largest_tensor(gpt2)
+    z2 = deepspeed_zero2_estimate(psi, gpus_per_node=n)[1]
+    ours2 = _states(psi, dp=n, zero=2)
+    assert ours2 == 2 * psi + 16 * psi / n and z2.gpu_bytes - ours2 == pytest.approx(2 * psi / n, abs=1)
+
+
+def test_offload_moves_masters_and_optimizer_states_to_the_host() -> None:
+    """ZeRO-Offload (Ren et al. 2021): with the optimizer on the host the device keeps 2Ψ + 4Ψ/N (stage 2, bf16,
+    fp32 gradient slices) and the host 12Ψ/N."""
+    psi, n = 8 * 2**20, 8
+    s = model_states(psi, Layout(dp=n, zero=2, offload="cpu"))
+    assert s.device_bytes == 2 * psi + 4 * psi / n
+    assert sum(t.value for t in s.host.values()) == 12 * psi / n
+
+
+# -- lslm's own ZeRO, exactly -----------------------------------------------------------------------
+def _held_by_lslm(stage: int, n: int, rank: int, dtype: torch.dtype, cap_mb: float) -> tuple[dict[str, int], int]:
+    cfg = GPTConfig.tiny()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    with fake_world(rank, n):
+        ctx = ParallelContext.create(RankGrid.build(n), rank=rank, local_rank=rank, node_rank=0,
+                                     device=torch.device("cpu"), backend="fake", timeout_s=5)
+        zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ctx, stage=stage, dtype=dtype,
+                             bucket_cap_mb=cap_mb)
+        x = torch.randint(0, cfg.vocab_size, (2, 16))
+        zero.zero_grad()
+        zero.backward(model(x, x)[1])
+        zero.step()
+        return held_by_owner(model, zero), len(zero.layout.pieces)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_model_state_bytes_equal_lslm_zero_exactly(stage: int, n: int) -> None:
+    """The calculator, given the buckets lslm's layout functions make (flat_layout: reverse order, 0.25 MiB cap;
+    unit_layout: a bucket per block and one for the rest), predicts every owner's bytes of a real
+    ZeroOptimizer after a step, on every rank, padding included (Adam's 4-byte step per piece aside)."""
+    spec = ModelSpec.from_gpt_config(GPTConfig.tiny())
+    numels = gpt_tensor_numels(spec)
+    assert numels == [p.numel() for p in GPT(GPTConfig.tiny()).parameters()]
+    cap = 0.25
+    if stage < 3:
+        _, buckets, _ = flat_layout(numels, 4, cap_bytes(cap), n)
+    else:
+        per_block = len(numels[2:-3]) // spec.n_layer  # wte, wpe | blocks | ln_f weight, bias, lm_head
+        blocks = [list(range(2 + i * per_block, 2 + (i + 1) * per_block)) for i in range(spec.n_layer)]
+        root = [i for i in range(len(numels)) if not any(i in b for b in blocks)]
+        _, buckets, _ = unit_layout([*blocks, root], numels, n)
+    sizes = [end - start - pad for start, end, _, pad in buckets]
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        for rank in range(n):
+            held, pieces = _held_by_lslm(stage, n, rank, dtype, cap)
+            predicted = model_states(sum(numels), Layout(dp=n, zero=stage, precision=precision),
+                                     buckets=sizes, rank=rank).device
+            got = {k: v.value for k, v in predicted.items()}
+            assert {**got, "optimizer_states": got["optimizer_states"] + 4 * pieces} == held, (precision, rank)
+    # and the totals agree with lslm.metrics' exact formula (rank 0, padded numel, owned elements)
+    padded = sum(end - start for start, end, _, _ in buckets)
+    owned = model_states(sum(numels), Layout(dp=n, zero=stage), buckets=sizes).device["optimizer_states"].value / 8
+    total = model_states(sum(numels), Layout(dp=n, zero=stage), buckets=sizes).device_bytes
+    assert total == lslm_bytes(stage, padded, int(owned), n)
+
+
+def test_plain_data_parallel_bytes_equal_lslm_s_measured_model_states() -> None:
+    """Stage 0 in fp32: 16 bytes per parameter, what lslm.metrics.model_state_bytes measures on a GPT after one
+    AdamW step, less AdamW's 4-byte step scalar per tensor."""
+    from lslm.metrics.model_state import model_state_bytes
+
+    cfg = GPTConfig.tiny(tie_weights=True)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, cfg.vocab_size, (2, 16))
+    model(x, x)[1].backward()
+    opt.step()
+    measured = model_state_bytes(model, opt)
+    spec = ModelSpec.from_gpt_config(cfg)
+    predicted = model_states(param_parts(spec).total, Layout(precision="fp32")).device_bytes
+    assert predicted == measured.total - 4 * measured.num_param_tensors
+
+
+# -- activations: Korthikanti et al. 2022, Table 2 ----------------------------------------------------
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_korthikanti_table_2_per_layer(t: int) -> None:
+    """Korthikanti et al. 2022, Table 2: activation bytes per layer (2-byte activations, 1-byte masks)."""
+    s, b, h, a = 2048, 1, 12288, 96  # GPT-3 175B's layer, micro-batch 1
+    spec = ModelSpec(96, h, a, 51200, s)
+
+    def acts(**kw: object) -> float:
+        return layer_activation_bytes(spec, Layout(tp=t, **kw))  # type: ignore[arg-type]
+
+    sbh = s * b * h
+    if t == 1:
+        assert acts() == pytest.approx(sbh * (34 + 5 * a * s / h))  # no parallelism
+        assert acts(recompute="selective") == pytest.approx(34 * sbh)
+    else:
+        assert acts() == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))  # tensor parallel
+        assert acts(sequence_parallel=True) == pytest.approx(sbh / t * (34 + 5 * a * s / h))  # + sequence parallel
+        assert acts(recompute="selective") == pytest.approx(sbh * (10 + 24 / t))  # + selective recompute
+        assert acts(sequence_parallel=True, recompute="selective") == pytest.approx(34 * sbh / t)
+        assert acts(sequence_parallel=True, recompute="full") == pytest.approx(2 * sbh / t)
+    assert acts(recompute="full") == pytest.approx(2 * sbh)  # full recompute: the layer's input only
+    assert acts(flash_attention=True) == acts(recompute="selective")  # no s^2 tensors either way
+    assert acts() == korthikanti_layer_bytes(s, b, h, a, t)  # lslm.metrics' implementation of the same table
+
+
+def test_korthikanti_total_activation_memory_on_the_first_stage() -> None:
+    """Korthikanti et al. 2022, §4.2.3 / eq. 5: with 1F1B the first stage holds p micro-batches of L/p layers, so
+    ``sbhL/t (34 + 5as/h)`` with TP + SP whatever p, times ``1 + (p - 1)/(p v)`` interleaved."""
+    s, b, h, a, L, p, t = 2048, 1, 12288, 96, 96, 8, 8
+    spec = ModelSpec(L, h, a, 51200, s, micro_batch=b, global_batch=64)
+    per_layer = s * b * h / t * (34 + 5 * a * s / h)
+    for v in (1, 2, 4):
+        layout = Layout(dp=1, tp=t, pp=p, v=v, sequence_parallel=True)
+        total = in_flight_layers(spec, layout, 64) * layer_activation_bytes(spec, layout)
+        assert total == pytest.approx(per_layer * L * (1 + (p - 1) / (p * v) if v > 1 else 1))
+
+
+def test_in_flight_and_bubble_agree_with_lslm_pipeline_theory() -> None:
+    """The same counts as lslm.pipeline.theory (a layer above lslm.plan, so the plan states them itself)."""
+    spec = ModelSpec(48, 256, 8, 1000, 64, global_batch=32)
+    for p, v, m in [(2, 1, 8), (4, 1, 2), (4, 2, 8), (8, 3, 16)]:
+        spec = dataclasses.replace(spec, n_layer=p * v * 2)
+        layout = Layout(pp=p, v=v)
+        for rank in range(p):
+            chunks = activation_memory_theory("interleaved" if v > 1 else "1f1b", p, m, v, rank)
+            assert in_flight_layers(spec, layout, m, rank) == chunks * spec.n_layer / (p * v)
+        name = "interleaved" if v > 1 else "1f1b"
+        assert bubble_time_theory(name, p, m, v) / busy_time(name, p, m, v) == pytest.approx((p - 1) / (v * m))
+
+
+# -- parameter counts -------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides", [{}, {"tie_weights": True}, {"bias": False}, {"n_layer": 3, "n_embd": 96,
+                                                                                  "n_head": 3, "tie_weights": True}])
+def test_exact_count_equals_lslm_gpt(overrides: dict) -> None:
+    """param_parts(spec).total == sum(p.numel() for p in GPT(cfg).parameters()), tied or not, bias or not."""
+    cfg = GPTConfig.tiny(**overrides)
+    spec = ModelSpec.from_gpt_config(cfg)
+    assert param_parts(spec).total == sum(p.numel() for p in GPT(cfg).parameters())
+
+
+def test_playbook_formula() -> None:
+    """The Ultra-Scale Playbook's N = h v + L(12 h^2 + 13 h) + 2 h is lslm's tied GPT without the position
+    embedding; GPT-2 small: 124,439,808 with its 1024 x 768 positions (Hugging Face's published count)."""
+    for L, h, v in [(2, 64, 1024), (3, 192, 777)]:  # small enough to build
+        cfg = GPTConfig(vocab_size=v, block_size=128, n_layer=L, n_head=h // 64, n_embd=h, tie_weights=True)
+        assert playbook_params(h, v, L) == sum(p.numel() for p in GPT(cfg).parameters()) - 128 * h
+    for L, h, v in [(12, 768, 50257), (24, 1024, 50257), (96, 12288, 50257)]:
+        spec = ModelSpec(L, h, h // 64, v, 1024, tied=True)
+        assert playbook_params(h, v, L) == param_parts(spec).total - 1024 * h
+    assert param_parts(model_presets()["gpt2-small"]).total == 124_439_808
+
+
+def test_gpt3_175b_parameter_count() -> None:
+    """Brown et al. 2020, Table 2.1: 96 layers, h = 12288, vocabulary 50,257, context 2048: 175.0B parameters."""
+    n = param_parts(model_presets()["gpt3-175b"]).total
+    assert n / 1e9 == pytest.approx(175.0, rel=0.003)  # 174.6B: the paper rounds
+    assert playbook_params(12288, 50257, 96) / 1e9 == pytest.approx(174.6, abs=0.05)
+
+
+@pytest.mark.parametrize(("billions", "a", "h", "L"), [
+    (1.7, 24, 2304, 24), (3.6, 32, 3072, 30), (7.5, 32, 4096, 36), (18.4, 48, 6144, 40), (39.1, 64, 8192, 48),
+    (76.1, 80, 10240, 60), (145.6, 96, 12288, 80), (310.1, 128, 16384, 96), (529.6, 128, 20480, 105),
+    (1008.0, 160, 25600, 128)])
+def test_megatron_table_1_parameter_counts(billions: float, a: int, h: int, L: int) -> None:
+    """Narayanan et al. 2021, Table 1 (vocabulary 51,200, sequence 2048): the reported parameter counts, from
+    their §5.1 formula and from our exact count of the same GPT (tied head; plus the final LayerNorm's 2h)."""
+    assert round(megatron_params(h, 51200, L, 2048) / 1e9, 1) == billions
+    spec = ModelSpec(L, h, a, 51200, 2048, tied=True)
+    assert param_parts(spec).total == round(megatron_params(h, 51200, L, 2048)) + 2 * h
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "llama2-70b"])
+def test_llama_counts_equal_hugging_face(name: str) -> None:
+    """GQA + SwiGLU counts against Hugging Face's LlamaForCausalLM built on the meta device (no memory)."""
+    transformers = pytest.importorskip("transformers")
+    spec = model_presets()[name]
+    config = transformers.LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn,
+                                      num_hidden_layers=spec.n_layer, num_attention_heads=spec.n_head,
+                                      num_key_value_heads=spec.kv_heads, tie_word_embeddings=spec.tied)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    assert param_parts(spec).total == sum(p.numel() for p in model.parameters())
+
+
+# -- flops, time, search ----------------------------------------------------------------------------
+def test_flops_equal_narayanan_equation() -> None:
+    """Narayanan et al. 2021, §5.1: 72 B s L h^2 (1 + s/(6h) + V/(12hL)) per step, 96 B s L h^2 (1 + s/(6h) +
+    V/(16hL)) with full recomputation."""
+    spec = model_presets()["gpt3-175b"]
+    assert model_flops(spec) == pytest.approx(narayanan_flops(spec))
+    assert model_flops(spec, "full") == pytest.approx(narayanan_flops(spec, full_recompute=True))
+
+
+def test_estimate_traces_every_number_and_finds_the_bound_axes() -> None:
+    gpt3 = model_presets()["gpt3-175b"]
+    est = estimate(gpt3, Layout(dp=16, tp=8, pp=8, zero=1, sequence_parallel=True, recompute="selective"), H100,
+                   1024)
+    assert est.fits and est.microbatches == 96
+    assert all(formula for _, _, _, formula in est.table())
+    assert {v.axis for v in est.verdicts} == {"dp", "tp", "pp"} and est.comm["cp"] is None
+    # The same layout with tensor parallelism across nodes (tp = 16 > 8 devices per node) is tp-bound.
+    wide = estimate(gpt3, Layout(dp=8, tp=16, pp=8, zero=1, sequence_parallel=True, recompute="selective"), H100,
+                    1024)
+    assert next(v for v in wide.verdicts if v.axis == "tp").comm_bound
+    assert wide.comm["tp"].link == H100.inter and est.comm["tp"].link == H100.intra
+    # Bubble: (p - 1)/(v m) of the compute.
+    assert est.times["bubble"].value == pytest.approx(est.times["compute"].value * 7 / 96)
+
+
+@pytest.mark.parametrize(("name", "devices"), [("llama3-8b", 8), ("llama2-70b", 64)])
+def test_search_ranks_fitting_layouts_by_step_time(name: str, devices: int) -> None:
+    found = search(model_presets()[name], H100, devices, micro_batches=(1, 2), virtual_stages=(1, 2), top=5)
+    assert found and all(e.fits and e.layout.world == devices and e.layout.tp <= 8 for e in found)
+    assert [e.step_s for e in found] == sorted(e.step_s for e in found)
+
+
+@pytest.mark.parametrize(("layout", "devices", "message"), [
+    (Layout(dp=2, tp=2), 8, "dp x tp x pp x cp = 2 x 2 x 1 x 1 = 4 devices, but 8"),
+    (Layout(tp=5), None, "heads must split evenly over tp=5"),
+    (Layout(pp=5), None, "n_layer=96 must be divisible by pp x v"),
+    (Layout(dp=7), None, "global_batch=1536 must be a multiple of dp x micro_batch"),
+    (Layout(dp=1, pp=8, v=2, tp=1), None, None),  # 1536 micro-batches: a multiple of 8, runs
+])
+def test_bad_layouts_are_refused_with_what_to_change(layout: Layout, devices: int | None, message: str | None) -> None:
+    gpt3 = model_presets()["gpt3-175b"]
+    if message is None:
+        estimate(gpt3, layout, H100, devices)
+        return
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        estimate(gpt3, layout, H100, devices)
+
+
+def test_layout_and_hardware_fields_are_checked() -> None:
+    with pytest.raises(ValueError, match="needs zero >= 1"):
+        Layout(offload="cpu")
+    with pytest.raises(ValueError, match="needs tp > 1"):
+        Layout(sequence_parallel=True)
+    with pytest.raises(ValueError, match="need a pipeline"):
+        Layout(v=2)
+    with pytest.raises(ValueError, match="interleaved schedule needs the micro-batches"):
+        estimate(ModelSpec(8, 64, 4, 100, 16, global_batch=6), Layout(pp=4, v=2), H100)
+    with pytest.raises(ValueError, match="no compute rate for bf16"):
+        estimate(ModelSpec(8, 64, 4, 100, 16), Layout(), hardware_presets()["cpu-box"])
