@@ -58,6 +58,16 @@ def test_megatron_bytes_per_parameter(d: int) -> None:
     assert _states(psi, dp=d, zero=1, precision="fp32") == (8 + 8 / d) * psi
 
 
+@pytest.mark.parametrize("d", [2, 8])
+def test_megatron_fp16_gradients_row_and_why_we_differ(d: int) -> None:
+    """Megatron-LM's "float16 param, float16 grads" row: 20 and 4 + 16/d. Megatron's fp16 optimizer keeps an fp32
+    copy of each gradient for the fp32 masters to step on (4 bytes, partitioned with the distributed optimizer);
+    the ZeRO paper's accounting, and ours with ``grad_dtype="param"``, does not: 16 and 4 + 12/d."""
+    psi = 3 * 2**20 * 64
+    assert _states(psi, dp=d, zero=0, precision="fp16", grad_dtype="param") + 4 * psi == 20 * psi
+    assert _states(psi, dp=d, zero=1, precision="fp16", grad_dtype="param") + 4 * psi / d == (4 + 16 / d) * psi
+
+
 def test_deepspeed_estimator_rows_for_gpt2_small_on_8_devices() -> None:
     """DeepSpeed's estimate_zero2/zero3_model_states_mem_needs (re-derived in lslm.metrics.zero_estimates) for GPT-2
     small (124,439,808 parameters, tied head; the largest layer the 50,257 x 768 embedding) on one node of 8.
@@ -134,6 +144,28 @@ def test_model_state_bytes_equal_lslm_zero_exactly(stage: int, n: int) -> None:
     owned = model_states(sum(numels), Layout(dp=n, zero=stage), buckets=sizes).device["optimizer_states"].value / 8
     total = model_states(sum(numels), Layout(dp=n, zero=stage), buckets=sizes).device_bytes
     assert total == lslm_bytes(stage, padded, int(owned), n)
+
+
+@pytest.mark.parametrize("n", [64, 512])
+def test_model_state_bytes_at_large_data_parallel_sizes(n: int) -> None:
+    """At 64 and 512 ranks (torch's fake process group: real sharding, no peers) the first and last ranks' bytes,
+    padding included, equal the calculator's (stage 3: the block buckets are padded to n, the root too)."""
+    spec = ModelSpec.from_gpt_config(GPTConfig.tiny())
+    numels = gpt_tensor_numels(spec)
+    for stage in (1, 3):
+        if stage == 1:
+            _, buckets, _ = flat_layout(numels, 4, cap_bytes(25.0), n)
+        else:
+            per_block = len(numels[2:-3]) // spec.n_layer
+            blocks = [list(range(2 + i * per_block, 2 + (i + 1) * per_block)) for i in range(spec.n_layer)]
+            root = [i for i in range(len(numels)) if not any(i in b for b in blocks)]
+            _, buckets, _ = unit_layout([*blocks, root], numels, n)
+        sizes = [end - start - pad for start, end, _, pad in buckets]
+        for rank in (0, n - 1):
+            held, pieces = _held_by_lslm(stage, n, rank, torch.bfloat16, 25.0)
+            got = {k: v.value for k, v in model_states(sum(numels), Layout(dp=n, zero=stage), buckets=sizes,
+                                                       rank=rank).device.items()}
+            assert {**got, "optimizer_states": got["optimizer_states"] + 4 * pieces} == held, (stage, rank)
 
 
 def test_plain_data_parallel_bytes_equal_lslm_s_measured_model_states() -> None:
@@ -317,3 +349,73 @@ def test_layout_and_hardware_fields_are_checked() -> None:
         estimate(ModelSpec(8, 64, 4, 100, 16, global_batch=6), Layout(pp=4, v=2), H100)
     with pytest.raises(ValueError, match="no compute rate for bf16"):
         estimate(ModelSpec(8, 64, 4, 100, 16), Layout(), hardware_presets()["cpu-box"])
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_data_parallel_bytes_equal_lslm_s_ledger(stage: int, n: int) -> None:
+    """The dp axis's bytes per step (two micro-batches) against what lslm's communication ledger records for a real
+    ZeroOptimizer step in the fake process group: equal once the layout's padding (which travels too) is added:
+    stage 1 reduce-scatters and all-gathers once per step, stage 2 reduce-scatters every micro-batch, stage 3
+    gathers each block twice per micro-batch, the rest once, and reduce-scatters all of it every micro-batch."""
+    cfg, m = GPTConfig.tiny(), 2
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    with fake_world(1, n):
+        ctx = ParallelContext.create(RankGrid.build(n), rank=1, local_rank=1, node_rank=0,
+                                     device=torch.device("cpu"), backend="fake", timeout_s=5)
+        zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ctx, stage=stage,
+                             dtype=torch.bfloat16, bucket_cap_mb=0.25)
+        x = torch.randint(0, cfg.vocab_size, (2, 16))
+        zero.zero_grad()
+        for _ in range(m):
+            zero.backward(model(x, x)[1])
+        zero.step()
+        ledger = sum(r.nbytes for r in ctx.comm.ledger.records if r.op in ("reduce_scatter", "all_gather"))
+        pads = [pad for _, _, _, pad in zero.buckets]
+    spec = ModelSpec.from_gpt_config(cfg, micro_batch=2, global_batch=2 * m * n)
+    est = estimate(spec, Layout(dp=n, zero=stage, bucket_mb=0.25), H100)
+    assert est.microbatches == m
+    predicted = sum(c.payload * c.count for c in est.comm["dp"].collectives)
+    g, p = 4, 2  # fp32 main_grad slices, bf16 parameters
+    per_pad = {1: g + p, 2: m * g + p, 3: None}[stage]
+    if stage < 3:
+        padding = sum(pads) * per_pad
+    else:  # buckets are the blocks (gathered twice per micro-batch), then the root (once)
+        padding = sum(pad * (2 * m * p + m * g) for pad in pads[:-1]) + pads[-1] * (m * p + m * g)
+    assert ledger == pytest.approx(predicted + padding, abs=1e-6)
+    assert padding or n == 4  # n = 3 exercises the padding, n = 4 needs none for this model
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_bytes_equal_lslm_s_ledger(sp: bool) -> None:
+    """The tp axis's calls and bytes for one micro-batch against lslm's ledger for a forward + backward of
+    apply_tensor_parallel(GPT) with the vocabulary-parallel loss, at t = 2 in the fake process group: without
+    SP 2 + 2 all-reduces per layer, the embedding's and the head's, the loss's two; with SP 6 all-gathers and
+    4 reduce-scatters per layer (the backward re-gathers the saved shards), and the same at the ends."""
+    from lslm.tensor_parallel.apply import apply_tensor_parallel
+    from lslm.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    cfg, t, b, s = GPTConfig.tiny(), 2, 2, 16
+    with fake_world(0, t):
+        ctx = ParallelContext.create(RankGrid.build(t, tp=t), rank=0, local_rank=0, node_rank=0,
+                                     device=torch.device("cpu"), backend="fake", timeout_s=5)
+        torch.manual_seed(0)
+        model = apply_tensor_parallel(GPT(cfg), ctx, sequence_parallel=sp)
+        xy = torch.randint(0, cfg.vocab_size, (b, s + 1))
+        vocab_parallel_cross_entropy(model(xy[:, :-1])[0], xy[:, 1:], ctx, vocab_size=cfg.vocab_size).backward()
+        records = list(ctx.comm.ledger.records)
+    spec = ModelSpec.from_gpt_config(cfg, seq_len=s, micro_batch=b, global_batch=b)
+    tp = estimate(spec, Layout(tp=t, sequence_parallel=sp, precision="fp32"), H100).comm["tp"]
+    by_op: dict[str, list[float]] = {}
+    for c in tp.collectives:
+        op = c.algorithm.removesuffix("_ring")
+        by_op.setdefault(op, [0, 0])
+        by_op[op][0] += c.count
+        by_op[op][1] += c.count * c.payload
+    measured: dict[str, list[float]] = {}
+    for r in records:
+        measured.setdefault(r.op, [0, 0])
+        measured[r.op][0] += 1
+        measured[r.op][1] += r.nbytes
+    assert by_op == measured

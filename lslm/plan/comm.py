@@ -9,16 +9,22 @@ all-reduce; ``n - 1`` and ``(n-1)/n S`` for all-gather and reduce-scatter; 1 and
 
 * **dp** (``dp · cp`` ranks; Rajbhandari et al. 2020 §7): stage 0 all-reduces the gradients (``2Ψ`` elements
   through each rank); stages 1-2 reduce-scatter the gradients and all-gather the updated parameters (``Ψ + Ψ``,
-  the same volume); stage 3 all-gathers each layer before its forward and again before its backward and
-  reduce-scatters its gradients, **every micro-batch** (``3Ψ`` per micro-batch; the embedding/head root is
-  gathered once per step, as lslm does). Messages are buckets of ``bucket_mb`` (stage 3: one per layer).
+  the same volume), stage 2 reduce-scattering every micro-batch's gradients as backward produces them (it keeps
+  only its slice, so it cannot accumulate whole gradients first: ``(m + 1)Ψ`` per step); stage 3 all-gathers
+  each layer before its forward and again before its backward and reduce-scatters its gradients, **every
+  micro-batch** (``3Ψ`` per micro-batch; the parameters outside the
+  layers, embedding and head, are gathered once per micro-batch and kept until its backward, as lslm does:
+  ``2Ψ_root``). Messages are buckets of ``bucket_mb`` (stage 3: one per layer).
 * **tp** (``t`` ranks; Shoeybi et al. 2019 §3, Korthikanti et al. 2022 §4.2.2), per layer and micro-batch,
   ``A = e · s b h``: without sequence parallelism two all-reduces of ``A`` in the forward and two in the
   backward; with it, each becomes an all-gather and a reduce-scatter, plus two all-gathers in the backward that
   re-gather the saved sharded inputs (Megatron's and lslm's choice). Full recomputation repeats the forward's.
-  The first stage adds the embedding's all-reduce (reduce-scatter with SP), the last the head's (one
-  all-gather with SP in the forward, one all-reduce or reduce-scatter in the backward) and three all-reduces
-  of ``4 s b`` bytes for the vocabulary-parallel cross-entropy.
+  The first stage adds the embedding's all-reduce (with SP: a reduce-scatter, and an all-gather in the
+  backward), the last the head's (without SP one all-reduce in the backward; with it an all-gather in the
+  forward, a re-gather and a reduce-scatter in the backward) and the vocabulary-parallel cross-entropy's two
+  small all-reduces (the max, ``4 s b`` bytes; the target logit and the sum of exponentials, ``8 s b``).
+  These are the calls lslm's :func:`~lslm.tensor_parallel.apply.apply_tensor_parallel` makes (a test counts
+  them in its ledger).
 * **pp** (Narayanan et al. 2021 §2.2): per micro-batch and chunk, one activation forward and one gradient
   backward of ``e · s b h`` (``/t`` with SP), ``v`` chunks per rank.
 * **cp**: not modelled yet (``None``): context parallelism is the next chapter.
@@ -121,7 +127,11 @@ def _dp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
         out.append(Collective("dp", "gradient all-reduce", "all_reduce_ring", s, n, c, link, "2Ψ (all-reduce, g·Ψ)"))
     elif layout.zero in (1, 2):
         c, s = _calls(g, bucket)
-        out.append(Collective("dp", "gradient reduce-scatter", "reduce_scatter_ring", s, n, c, link, "Ψ (g·Ψ)"))
+        if layout.zero == 1:
+            out.append(Collective("dp", "gradient reduce-scatter", "reduce_scatter_ring", s, n, c, link, "Ψ (g·Ψ)"))
+        else:  # only slices of the gradients are kept: every micro-batch's are reduce-scattered as they appear
+            out.append(Collective("dp", "gradient reduce-scatter (per micro-batch)", "reduce_scatter_ring", s, n,
+                                  c * m, link, "Ψ per micro-batch (g·Ψ)"))
         c, s = _calls(p, bucket)
         out.append(Collective("dp", "parameter all-gather", "all_gather_ring", s, n, c, link, "Ψ (p·Ψ)"))
     else:
@@ -135,10 +145,10 @@ def _dp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
                 Collective("dp", "layer gradient reduce-scatter", "reduce_scatter_ring", gl, n, layers * m, link,
                            "Ψ per micro-batch")]
         if root:
-            out += [Collective("dp", "root all-gather (once per step)", "all_gather_ring", width["parameters"] * root,
-                               n, 1, link, "Ψ_root"),
-                    Collective("dp", "root gradient reduce-scatter", "reduce_scatter_ring",
-                               width["gradients"] * root, n, 1, link, "Ψ_root")]
+            out += [Collective("dp", "root all-gather", "all_gather_ring", width["parameters"] * root, n, m, link,
+                               "Ψ_root per micro-batch (kept from its forward to its backward)"),
+                    Collective("dp", "root gradient reduce-scatter", "reduce_scatter_ring", width["gradients"] * root,
+                               n, m, link, "Ψ_root per micro-batch")]
     return AxisComm("dp", n, link, tuple(out))
 
 
@@ -160,18 +170,23 @@ def _tp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
         out.append(Collective("tp", "layer all-reduce", "all_reduce_ring", a, t, (2 * fwd_passes + 2) * layers * m,
                               link, "2 forward (+2 recompute) + 2 backward per layer"))
     if stage == 0:
-        algo = "reduce_scatter_ring" if layout.sequence_parallel else "all_reduce_ring"
-        out.append(Collective("tp", "embedding output", algo, a, t, m, link, "vocabulary-parallel embedding"))
+        if layout.sequence_parallel:
+            out += [Collective("tp", "embedding reduce-scatter", "reduce_scatter_ring", a, t, m, link, "forward"),
+                    Collective("tp", "embedding all-gather", "all_gather_ring", a, t, m, link, "backward")]
+        else:
+            out.append(Collective("tp", "embedding all-reduce", "all_reduce_ring", a, t, m, link, "forward"))
     if stage == layout.pp - 1:
         if layout.sequence_parallel:
-            out.append(Collective("tp", "head input all-gather", "all_gather_ring", a, t, m, link, "forward"))
-            out.append(Collective("tp", "head input-gradient reduce-scatter", "reduce_scatter_ring", a, t, m, link,
-                                  "backward"))
+            out += [Collective("tp", "head input all-gather", "all_gather_ring", a, t, 2 * m, link,
+                               "forward + re-gather in backward"),
+                    Collective("tp", "head input-gradient reduce-scatter", "reduce_scatter_ring", a, t, m, link,
+                               "backward")]
         else:
             out.append(Collective("tp", "head input-gradient all-reduce", "all_reduce_ring", a, t, m, link,
                                   "backward of f"))
-        out.append(Collective("tp", "cross-entropy statistics", "all_reduce_ring", 4 * s * b, t, 3 * m, link,
-                              "max, sum of exp, target logit (fp32)"))
+        out += [Collective("tp", "cross-entropy max", "all_reduce_ring", 4 * s * b, t, m, link, "fp32, per token"),
+                Collective("tp", "cross-entropy target logit + sum of exp", "all_reduce_ring", 8 * s * b, t, m, link,
+                           "two fp32 per token, one call")]
     return AxisComm("tp", t, link, tuple(out))
 
 

@@ -64,6 +64,18 @@ class Estimate:
         peak = self.hardware.peak_flops[self.layout.precision] * self.layout.world
         return model_flops(self.model) / self.step_s / peak
 
+    def to_dict(self) -> dict[str, object]:
+        """The headline numbers as plain JSON-able values (bytes, seconds), for plots and widgets."""
+        return {"layout": self.layout.describe(), "microbatches": self.microbatches,
+                "params": self.params["total (exact)"].value, "fits": self.fits, "peak_bytes": self.peak_bytes,
+                "memory": {name: t.value for name, t in self.memory.owners.items()},
+                "host_memory": {name: t.value for name, t in self.memory.states.host.items()},
+                "activations_without_recompute": self.memory.activations_without_recompute.value,
+                "comm_wire_bytes": {a: (c.wire_bytes if c else None) for a, c in self.comm.items()},
+                "comm_s": {a: (c.time_s if c else None) for a, c in self.comm.items()},
+                "times": {name: t.value for name, t in self.times.items()},
+                "comm_bound": {v.axis: v.comm_bound for v in self.verdicts}, "mfu": self.mfu}
+
     def table(self) -> list[tuple[str, str, str, str]]:
         """Printable rows ``(section, item, value, formula / source)``: memory by owner, comm per axis, time."""
         rows: list[tuple[str, str, str, str]] = []
@@ -136,6 +148,10 @@ def estimate(model: ModelSpec, layout: Layout, hardware: Hardware, devices: int 
     notes = []
     if layout.cp > 1:
         notes.append("cp > 1: activations use s/cp; context-parallel communication is not modelled")
+    if layout.zero >= 2 and layout.pp > 1:
+        notes.append("ZeRO-2/3 with pipeline parallelism: gradients (and stage 3's parameters) move every "
+                     "micro-batch; DeepSpeed refuses this combination and Megatron shards only the optimizer "
+                     "(stage 1)")
     if layout.offload == "cpu":
         notes.append("offload: host transfers and CPU Adam are not timed")
     return Estimate(model, layout, hardware, m, params, memory, stages, comm, times, verdicts, notes)

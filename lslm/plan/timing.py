@@ -16,8 +16,9 @@ forward + backward (+ recompute) of the stage::
 
 Tensor-parallel and pipeline communication is on the critical path (not overlapped: lslm's, and Megatron's
 without its overlap options); data-parallel communication is overlapped with the backward of the last
-micro-batch where it can be: stage 0's all-reduce and stages 1-2's reduce-scatter start during that backward,
-their all-gather follows the optimizer step (exposed); stage 3's per-micro-batch gathers and reduce-scatters
+micro-batch where it can be: stage 0's all-reduce and stage 1's reduce-scatter start during that backward,
+stage 2's per-micro-batch reduce-scatters during each micro-batch's backward, and the all-gather of stages
+1-2 follows the optimizer step (exposed); stage 3's per-micro-batch gathers and reduce-scatters
 are prefetched behind that micro-batch's compute (exposed only beyond it). The optimizer step itself, and
 offload's host transfers and CPU Adam, are not timed.
 
@@ -134,15 +135,17 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
         verdicts.append(Verdict("pp", pp.time_s / m, t_mb, "per micro-batch"))
     if dp is not None:
         if layout.zero == 3:
-            per_mb = sum(c.time_s for c in dp.collectives if c.label.startswith("layer")) / m
-            rest = dp.time_s - per_mb * m
-            exposed = m * max(0.0, per_mb - t_mb) + rest
+            per_mb = dp.time_s / m  # everything moves every micro-batch, prefetched behind its compute
+            exposed = m * max(0.0, per_mb - t_mb)
             scope = "per micro-batch (prefetched behind its compute)"
             verdicts.append(Verdict("dp", per_mb, t_mb, scope))
         else:
             reduce = sum(c.time_s for c in dp.collectives if "gather" not in c.label)
             gather = dp.time_s - reduce
-            exposed = max(0.0, reduce - t_bwd) + gather
+            if layout.zero == 2:  # each micro-batch's reduce-scatter hides behind that micro-batch's backward
+                exposed = m * max(0.0, reduce / m - t_bwd) + gather
+            else:  # one reduction per step, behind the last micro-batch's backward
+                exposed = max(0.0, reduce - t_bwd) + gather
             verdicts.append(Verdict("dp", dp.time_s, m * t_bwd, "per step, against the step's backward"))
         times["dp"] = Term("data-parallel communication (exposed)", exposed, "s",
                            f"of {dp.time_s:.3g} s in all; reduce overlapped with the last backward",
