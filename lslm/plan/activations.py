@@ -15,7 +15,10 @@ full recompute                              ``2 sbh`` (``2 sbh / t`` with sequen
 The first three are :func:`lslm.metrics.activation_theory.korthikanti_layer_bytes`; selective recompute drops
 the ``5as^2b`` (softmax, its dropout mask, the dropped probabilities), and so does a flash-attention kernel
 (it keeps O(s) statistics, not counted). Other widths keep the paper's list of tensors (``e`` bytes per
-activation, ``m`` per mask; fp32 training: ``e = 4``). For ``arch="llama"`` the same list is adapted, and this
+activation, ``m`` per mask; fp32 training: ``e = 4``; ``m`` is the hardware's
+:attr:`~lslm.plan.hardware.Hardware.dropout_mask_bytes`: 1 for the bool mask of fused GPU dropout, 4 on a CPU,
+where it is a float noise tensor; a test measures lslm's GPT on this CPU within 0.3 %, the rest being the
+LayerNorm statistics and token ids the paper leaves out). For ``arch="llama"`` the same list is adapted, and this
 adaptation is ours (no published table): keys and values are ``kv/a`` of the queries, there is no dropout,
 and the SwiGLU MLP keeps four ``f``-wide tensors (gate and up outputs, SiLU output, their product) instead of
 GELU's two ``4h``-wide ones.
@@ -42,24 +45,24 @@ __all__ = ["embedding_mask_bytes", "in_flight_layers", "in_flight_microbatches",
            "layer_activation_bytes", "layer_formula"]
 
 
-def _widths(layout: Layout) -> tuple[int, int]:
-    e = 4 if layout.precision == "fp32" else 2
-    return e, 1
+def _width(layout: Layout) -> int:
+    return 4 if layout.precision == "fp32" else 2
 
 
-def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute: str | None = None) -> float:
+def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute: str | None = None, *,
+                           mask_bytes: int = 1) -> float:
     """Bytes one layer keeps for backward on one device for one micro-batch (module doc's table).
 
     ``recompute`` overrides the layout's (to report the bytes without recompute next to those with it).
     ``cp`` splits the sequence: ``s`` is ``seq_len / cp`` here (the attention term then counts the local
     queries against the local keys only, a lower bound for ring attention's key/value blocks in flight).
+    ``mask_bytes``: a dropout mask's bytes per element (1: a bool mask; 4 on a CPU, see
+    :attr:`lslm.plan.hardware.Hardware.dropout_mask_bytes`).
     """
     recompute = layout.recompute if recompute is None else recompute
     s, b, h, a, t = model.seq_len // layout.cp, model.micro_batch, model.hidden, model.n_head, layout.tp
     sp = layout.sequence_parallel
-    e, m = _widths(layout)
-    if not model.dropout:
-        m = 0
+    e, m = _width(layout), (mask_bytes if model.dropout else 0)
     region = t if sp else 1  # the LayerNorm / dropout region: replicated, or split along the sequence
     if recompute == "full":
         return e * s * b * h / region
@@ -113,18 +116,19 @@ def in_flight_microbatches(layout: Layout, m: int, rank: int = 0) -> int:
     return min(-(-((v - 1) * p + 2 * (p - 1 - rank) + 1) // v), m)
 
 
-def embedding_mask_bytes(model: ModelSpec, layout: Layout, m: int) -> float:
-    """The first stage's embedding dropout masks: ``m · sbh`` per in-flight micro-batch (``/t`` with SP)."""
+def embedding_mask_bytes(model: ModelSpec, layout: Layout, m: int, *, mask_bytes: int = 1) -> float:
+    """The first stage's embedding dropout masks: ``mask_bytes · sbh`` per in-flight micro-batch (``/t`` with
+    SP; ``m`` is the number of micro-batches per step)."""
     if not model.dropout or layout.recompute == "full":
         return 0.0
     s, b, h = model.seq_len // layout.cp, model.micro_batch, model.hidden
     region = layout.tp if layout.sequence_parallel else 1
-    return in_flight_microbatches(layout, m) * s * b * h / region
+    return mask_bytes * in_flight_microbatches(layout, m) * s * b * h / region
 
 
 def last_stage_extra_bytes(model: ModelSpec, layout: Layout) -> float:
     """The last stage's final norm input, head input and fp32 logits for one micro-batch (module doc)."""
-    e, _ = _widths(layout)
+    e = _width(layout)
     s, b, h, t = model.seq_len // layout.cp, model.micro_batch, model.hidden, layout.tp
     region = t if layout.sequence_parallel else 1
     return 2 * e * s * b * h / region + 4 * s * b * model.vocab / t

@@ -26,7 +26,8 @@ all-reduce; ``n - 1`` and ``(n-1)/n S`` for all-gather and reduce-scatter; 1 and
   These are the calls lslm's :func:`~lslm.tensor_parallel.apply.apply_tensor_parallel` makes (a test counts
   them in its ledger).
 * **pp** (Narayanan et al. 2021 §2.2): per micro-batch and chunk, one activation forward and one gradient
-  backward of ``e · s b h`` (``/t`` with SP), ``v`` chunks per rank.
+  backward of ``e · s b h`` (``/t`` with SP), ``v`` chunks per rank; nothing leaves the model's first stage
+  backward or its last stage forward (:func:`pp_sends`; a test counts lslm's executor's sends).
 * **cp**: not modelled yet (``None``): context parallelism is the next chapter.
 """
 
@@ -42,7 +43,7 @@ from lslm.plan.memory import stage_split
 from lslm.plan.model import ModelSpec
 from lslm.plan.states import bytes_per_element
 
-__all__ = ["AXES", "AxisComm", "Collective", "communication"]
+__all__ = ["AXES", "AxisComm", "Collective", "communication", "pp_sends"]
 
 AXES = ("dp", "tp", "pp", "cp")
 
@@ -190,19 +191,29 @@ def _tp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
     return AxisComm("tp", t, link, tuple(out))
 
 
-def _pp(model: ModelSpec, layout: Layout, hw: Hardware, m: int) -> AxisComm:
+def pp_sends(p: int, v: int, m: int, rank: int) -> int:
+    """Sends pipeline rank ``rank`` makes per step: an activation out of each of its ``v`` chunks but the model's
+    last, a gradient out of each but the model's first, ``m`` times each: ``2vm`` in the middle, ``(2v - 1)m``
+    on the first and last ranks, ``2(v - 1)m`` on a lone one."""
+    if p == 1:
+        return 0
+    return (2 * v - (rank == 0) - (rank == p - 1)) * m
+
+
+def _pp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> AxisComm:
     span = 2 * layout.dp * layout.cp * layout.tp
     link = hw.link(span)
     e = 4 if layout.precision == "fp32" else 2
     region = layout.tp if layout.sequence_parallel else 1
     a = e * model.seq_len // layout.cp * model.micro_batch * model.hidden / region
-    sends = 2 * layout.v * m
+    sends = pp_sends(layout.pp, layout.v, m, stage)
     return AxisComm("pp", layout.pp, link, (
         Collective("pp", "activation / gradient send", "p2p", a, layout.pp, sends, link,
-                   "per micro-batch and chunk: 1 forward + 1 backward of e·sbh (/t with SP)"),))
+                   "per micro-batch and chunk: a forward activation and a backward gradient of e·sbh (/t with SP), "
+                   "none past the model's ends"),))
 
 
 def communication(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> dict[str, AxisComm | None]:
     """Each axis's communication per step on one device of pipeline stage ``stage`` (``cp``: ``None``)."""
     return {"dp": _dp(model, layout, hw, m, stage), "tp": _tp(model, layout, hw, m, stage),
-            "pp": _pp(model, layout, hw, m), "cp": None}
+            "pp": _pp(model, layout, hw, m, stage), "cp": None}

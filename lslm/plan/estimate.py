@@ -142,7 +142,7 @@ def estimate(model: ModelSpec, layout: Layout, hardware: Hardware, devices: int 
         params["Playbook N"] = Term("Playbook N", playbook_params(model.hidden, model.vocab, model.n_layer), "",
                                     "h·v + L(12h² + 13h) + 2h (tied head, no position embedding)",
                                     "Ultra-Scale Playbook")
-    memory, stages = most_loaded(model, layout, m)
+    memory, stages = most_loaded(model, layout, m, mask_bytes=hardware.dropout_mask_bytes)
     comm = communication(model, layout, hardware, m, layout.pp - 1)
     times, verdicts = step_time(model, layout, hardware, m, comm)
     notes = []

@@ -63,6 +63,9 @@ class Hardware:
     reserved_bytes: float = 0.0
     compute_efficiency: float = 1.0
     host_bytes_per_node: float | None = None  #: CPU memory per node (offload targets it); None: not checked
+    #: bytes per element of a saved dropout mask: 1 where fused dropout keeps a bool mask (accelerators), 4 on a
+    #: CPU, where torch's dropout multiplies by a saved float noise tensor (lslm.metrics.activation_theory)
+    dropout_mask_bytes: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
@@ -72,6 +75,8 @@ class Hardware:
             raise ValueError(f"Hardware.hbm_bytes must be > 0, got {self.hbm_bytes!r}")
         if not 0 <= self.reserved_bytes < self.hbm_bytes:
             raise ValueError(f"Hardware.reserved_bytes must be in [0, hbm_bytes), got {self.reserved_bytes!r}")
+        if self.dropout_mask_bytes not in (1, 2, 4):
+            raise ValueError(f"Hardware.dropout_mask_bytes must be 1, 2 or 4, got {self.dropout_mask_bytes!r}")
         if not 0 < self.compute_efficiency <= 1:
             raise ValueError(f"Hardware.compute_efficiency must be in (0, 1], got {self.compute_efficiency!r}")
         for precision, rate in self.peak_flops.items():
@@ -118,5 +123,5 @@ def hardware_presets() -> dict[str, Hardware]:
     a100 = Hardware("A100 SXM 80GB", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, hbm_bytes=80 * GiB,
                     devices_per_node=8, intra=Link(5e-6, 300e9), inter=Link(10e-6, 25e9), reserved_bytes=2 * GiB)
     cpu = Hardware("CPU box (gloo)", {}, hbm_bytes=11 * GiB, devices_per_node=2,
-                   intra=Link(2.5067e-4, 3.5037e9), inter=Link(2.5067e-4, 3.5037e9))
+                   intra=Link(2.5067e-4, 3.5037e9), inter=Link(2.5067e-4, 3.5037e9), dropout_mask_bytes=4)
     return {"h100-sxm": h100, "a100-80gb": a100, "cpu-box": cpu}

@@ -98,29 +98,33 @@ class StageMemory:
         return sum(t.value for t in self.owners.values())
 
 
-def _activations(model: ModelSpec, layout: Layout, m: int, stage: int, recompute: str) -> tuple[float, str]:
-    one = layer_activation_bytes(model, layout, recompute)
+def _activations(model: ModelSpec, layout: Layout, m: int, stage: int, recompute: str,
+                 mask_bytes: int) -> tuple[float, str]:
+    one = layer_activation_bytes(model, layout, recompute, mask_bytes=mask_bytes)
     rank_layers = in_flight_layers(model, layout, m, stage)
     total = rank_layers * one
     formula = f"{rank_layers:g} layer-micro-batches in flight x [{layer_formula(model, layout, recompute)}]"
     if stage == 0 and model.dropout and recompute != "full":
-        total += embedding_mask_bytes(model, layout, m)
+        total += embedding_mask_bytes(model, layout, m, mask_bytes=mask_bytes)
         formula += " + embedding dropout masks"
     if stage == layout.pp - 1:
         total += last_stage_extra_bytes(model, layout)
         formula += " + final norm, head input and fp32 logits 4sbV/t"
     if recompute != "none":
-        total += layer_activation_bytes(model, layout, "none") - one
+        total += layer_activation_bytes(model, layout, "none", mask_bytes=mask_bytes) - one
         formula += " + one layer recomputed during its backward"
     return total, formula
 
 
-def stage_memory(model: ModelSpec, layout: Layout, m: int, stage: int, *, dp_rank: int = 0) -> StageMemory:
-    """Memory of one device of pipeline stage ``stage`` with ``m`` micro-batches per step (module doc)."""
+def stage_memory(model: ModelSpec, layout: Layout, m: int, stage: int, *, dp_rank: int = 0,
+                 mask_bytes: int = 1) -> StageMemory:
+    """Memory of one device of pipeline stage ``stage`` with ``m`` micro-batches per step (module doc).
+
+    ``mask_bytes``: a saved dropout mask's bytes per element (the hardware's ``dropout_mask_bytes``)."""
     psi = stage_params(model, layout, stage)
     states = model_states(psi, layout, rank=dp_rank)
-    with_r, f_with = _activations(model, layout, m, stage, layout.recompute)
-    without, f_without = _activations(model, layout, m, stage, "none")
+    with_r, f_with = _activations(model, layout, m, stage, layout.recompute, mask_bytes)
+    without, f_without = _activations(model, layout, m, stage, "none", mask_bytes)
     acts = Term("activations", with_r, "B", f_with, KORTHIKANTI)
     acts0 = Term("activations (no recompute)", without, "B", f_without, KORTHIKANTI)
     width = bytes_per_element(layout)
@@ -148,10 +152,11 @@ def stage_memory(model: ModelSpec, layout: Layout, m: int, stage: int, *, dp_ran
     return StageMemory(stage, psi, states, acts, acts0, buffers)
 
 
-def most_loaded(model: ModelSpec, layout: Layout, m: int) -> tuple[StageMemory, list[StageMemory]]:
+def most_loaded(model: ModelSpec, layout: Layout, m: int, *,
+                mask_bytes: int = 1) -> tuple[StageMemory, list[StageMemory]]:
     """The first and last stages' memory, and whichever needs more (module doc)."""
-    stages = [stage_memory(model, layout, m, 0)]
+    stages = [stage_memory(model, layout, m, 0, mask_bytes=mask_bytes)]
     if layout.pp > 1:
-        stages.append(stage_memory(model, layout, m, layout.pp - 1))
+        stages.append(stage_memory(model, layout, m, layout.pp - 1, mask_bytes=mask_bytes))
     return max(stages, key=lambda s: s.total), stages
 
