@@ -18,7 +18,7 @@ from lslm.metrics.held import held_by_owner
 from lslm.metrics.zero_estimates import deepspeed_zero2_estimate, deepspeed_zero3_estimate, lslm_bytes, paper_bytes
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.pipeline.theory import activation_memory_theory, bubble_time_theory, busy_time
-from lslm.plan import Layout, ModelSpec, estimate, hardware_presets, model_presets, search
+from lslm.plan import Layout, ModelSpec, estimate, hardware_presets, model_presets, search, sizing_answers
 from lslm.plan.activations import in_flight_layers, layer_activation_bytes
 from lslm.plan.params import gpt_tensor_numels, largest_tensor, megatron_params, param_parts, playbook_params
 from lslm.plan.states import model_states
@@ -392,9 +392,11 @@ def test_tensor_parallel_bytes_equal_lslm_s_ledger(sp: bool) -> None:
     """The tp axis's calls and bytes for one micro-batch against lslm's ledger for a forward + backward of
     apply_tensor_parallel(GPT) with the vocabulary-parallel loss, at t = 2 in the fake process group: without
     SP 2 + 2 all-reduces per layer, the embedding's and the head's, the loss's two; with SP 6 all-gathers and
-    4 reduce-scatters per layer (the backward re-gathers the saved shards), and the same at the ends."""
+    4 reduce-scatters per layer (the backward re-gathers the saved shards), the same at the ends, and the sum of
+    the replicated parameters' gradients."""
     from lslm.tensor_parallel.apply import apply_tensor_parallel
     from lslm.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    from lslm.tensor_parallel.grads import sync_tensor_parallel_grads
 
     cfg, t, b, s = GPTConfig.tiny(), 2, 2, 16
     with fake_world(0, t):
@@ -404,6 +406,7 @@ def test_tensor_parallel_bytes_equal_lslm_s_ledger(sp: bool) -> None:
         model = apply_tensor_parallel(GPT(cfg), ctx, sequence_parallel=sp)
         xy = torch.randint(0, cfg.vocab_size, (b, s + 1))
         vocab_parallel_cross_entropy(model(xy[:, :-1])[0], xy[:, 1:], ctx, vocab_size=cfg.vocab_size).backward()
+        sync_tensor_parallel_grads(model, ctx)  # with SP: the replicated parameters' gradients summed over t
         records = list(ctx.comm.ledger.records)
     spec = ModelSpec.from_gpt_config(cfg, seq_len=s, micro_batch=b, global_batch=b)
     tp = estimate(spec, Layout(tp=t, sequence_parallel=sp, precision="fp32"), H100).comm["tp"]
@@ -468,3 +471,65 @@ def test_activation_bytes_within_5_percent_of_lslm_s_measurement(cfg: GPTConfig,
     # ln_f), the int64 token ids (also the targets here: one storage) and positions the embeddings keep, and one
     # fp32 scalar of the loss.
     assert act.bytes - predicted.value == 16 * s * b * cfg.n_layer + 8 * s * b + 8 * s * b + 8 * s + 4
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_parameters_per_rank_equal_lslm_s_tensor_and_pipeline_shards(tied: bool, bias: bool) -> None:
+    """Parameters one rank holds after apply_tensor_parallel (t = 2: matrices and the vocabulary split, LayerNorms
+    and row-parallel biases replicated) and after apply_pipeline (p = 2: embedding first, head last, a tied
+    embedding copied onto the last stage), in the fake process group, equal the calculator's."""
+    from lslm.pipeline.apply import PipelinePlan, apply_pipeline
+    from lslm.plan.memory import stage_params
+    from lslm.tensor_parallel.apply import apply_tensor_parallel
+
+    cfg = GPTConfig.tiny(n_layer=4, tie_weights=tied, bias=bias)
+    spec = ModelSpec.from_gpt_config(cfg)
+    with fake_world(0, 2):
+        ctx = ParallelContext.create(RankGrid.build(2, tp=2), rank=0, local_rank=0, node_rank=0,
+                                     device=torch.device("cpu"), backend="fake", timeout_s=5)
+        model = apply_tensor_parallel(GPT(cfg), ctx)
+        assert sum(p.numel() for p in model.parameters()) == stage_params(spec, Layout(tp=2), 0)
+    for rank in range(2):
+        with fake_world(rank, 2):
+            ctx = ParallelContext.create(RankGrid.build(2, pp=2), rank=rank, local_rank=rank, node_rank=0,
+                                         device=torch.device("cpu"), backend="fake", timeout_s=5)
+            stage = apply_pipeline(GPT(cfg), ctx, PipelinePlan(schedule="1f1b", microbatches=2))
+            assert sum(p.numel() for p in stage.parameters()) == stage_params(spec, Layout(pp=2), rank), rank
+
+
+def test_sizing_answers_fit_and_run_somewhere() -> None:
+    """The course's sizing questions (GPT-3 175B on 1024, Llama-2 70B on 64, Llama-3 8B on 8 x H100 80 GB): every
+    answer fits, uses the devices asked, and is a combination a framework runs (no ZeRO-2/3 with a pipeline)."""
+    from lslm.plan.search import SIZING_QUESTIONS
+
+    answers = sizing_answers(H100, top=2, micro_batches=(1, 2), virtual_stages=(1, 2))
+    assert set(answers) == set(SIZING_QUESTIONS)
+    for name, found in answers.items():
+        assert found, name
+        for e in found:
+            assert e.fits and e.layout.world == SIZING_QUESTIONS[name]
+            assert not (e.layout.zero >= 2 and e.layout.pp > 1)
+            assert e.layout.flash_attention == (e.model.arch == "llama")
+
+
+def test_tensor_parallel_traffic_equals_the_committed_bench_ledger() -> None:
+    """bench/results/tp.json (``lslm bench tp``, committed): the collectives and bytes lslm's ledger counted per step
+    at t = 2 and 4, with and without sequence parallelism, equal the calculator's tp axis for that model."""
+    import json
+    from pathlib import Path
+
+    results = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "tp.json").read_text())
+    checked = 0
+    for run in results.values():
+        cfg = GPTConfig(**run["model"])
+        spec = ModelSpec.from_gpt_config(cfg, seq_len=run["seq"], micro_batch=run["batch"], global_batch=run["batch"])
+        for row in run["rows"]:
+            if row["variant"] != "lslm":
+                continue
+            layout = Layout(tp=run["tp"], sequence_parallel=row["sequence_parallel"], precision="fp32")
+            tp = estimate(spec, layout, H100).comm["tp"]
+            assert sum(c.count for c in tp.collectives) == row["collectives_per_step"], (run["tp"], row)
+            assert tp.payload_bytes == row["comm_bytes_per_step"], (run["tp"], row)
+            checked += 1
+    assert checked == 4  # t = 2, 4 x SP off, on

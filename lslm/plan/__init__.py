@@ -19,7 +19,7 @@ from lslm.plan.estimate import Estimate, estimate
 from lslm.plan.hardware import Hardware, Link, hardware_presets
 from lslm.plan.layout import Layout, check_layout
 from lslm.plan.model import ModelSpec, model_presets
-from lslm.plan.search import search
+from lslm.plan.search import search, sizing_answers
 
 __all__ = ["Estimate", "Hardware", "Layout", "Link", "ModelSpec", "check_layout", "estimate", "hardware_presets",
-           "model_presets", "search"]
+           "model_presets", "search", "sizing_answers"]

@@ -23,8 +23,10 @@ all-reduce; ``n - 1`` and ``(n-1)/n S`` for all-gather and reduce-scatter; 1 and
   backward), the last the head's (without SP one all-reduce in the backward; with it an all-gather in the
   forward, a re-gather and a reduce-scatter in the backward) and the vocabulary-parallel cross-entropy's two
   small all-reduces (the max, ``4 s b`` bytes; the target logit and the sum of exponentials, ``8 s b``).
-  These are the calls lslm's :func:`~lslm.tensor_parallel.apply.apply_tensor_parallel` makes (a test counts
-  them in its ledger).
+  With sequence parallelism the gradients of the replicated parameters (norms, row-parallel biases, position
+  embedding) are summed over the group once per step. These are the calls lslm's
+  :func:`~lslm.tensor_parallel.apply.apply_tensor_parallel` and its gradient sync make (tests count them in its
+  ledger, and in the committed ``bench/results/tp.json``).
 * **pp** (Narayanan et al. 2021 §2.2): per micro-batch and chunk, one activation forward and one gradient
   backward of ``e · s b h`` (``/t`` with SP), ``v`` chunks per rank; nothing leaves the model's first stage
   backward or its last stage forward (:func:`pp_sends`; a test counts lslm's executor's sends).
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 from lslm.metrics.collective_costs import cost_coefficients
 from lslm.plan.hardware import Hardware, Link
 from lslm.plan.layout import Layout
-from lslm.plan.memory import stage_split
+from lslm.plan.memory import replicated_params, stage_split
 from lslm.plan.model import ModelSpec
 from lslm.plan.states import bytes_per_element
 
@@ -188,6 +190,11 @@ def _tp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
         out += [Collective("tp", "cross-entropy max", "all_reduce_ring", 4 * s * b, t, m, link, "fp32, per token"),
                 Collective("tp", "cross-entropy target logit + sum of exp", "all_reduce_ring", 8 * s * b, t, m, link,
                            "two fp32 per token, one call")]
+    if layout.sequence_parallel:
+        grads = bytes_per_element(layout)["gradients"] * replicated_params(model, layout, stage)
+        count, size = _calls(grads, layout.bucket_mb * 2**20)
+        out.append(Collective("tp", "sequence-parallel gradient sum", "all_reduce_ring", size, t, count, link,
+                              "once per step: the replicated parameters' gradients (norms, biases, positions)"))
     return AxisComm("tp", t, link, tuple(out))
 
 
@@ -201,8 +208,9 @@ def pp_sends(p: int, v: int, m: int, rank: int) -> int:
 
 
 def _pp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> AxisComm:
-    span = 2 * layout.dp * layout.cp * layout.tp
-    link = hw.link(span)
+    # Neighbouring stages are dp·cp·tp devices apart: once the pipeline spans more than a node some hop crosses
+    # nodes, and the pipeline runs at its slowest hop.
+    link = hw.link(layout.dp * layout.cp * layout.tp * layout.pp)
     e = 4 if layout.precision == "fp32" else 2
     region = layout.tp if layout.sequence_parallel else 1
     a = e * model.seq_len // layout.cp * model.micro_batch * model.hidden / region

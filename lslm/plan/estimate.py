@@ -93,6 +93,8 @@ class Estimate:
         verdict = "fits" if self.fits else "does NOT fit"
         rows.append(("memory", "total", format_bytes_gb(mem.total),
                      f"{verdict} in {format_bytes_gb(self.hardware.usable_bytes)} usable"))
+        rows.append(("communication", f"per step, pipeline stage {self.layout.pp - 1}", "",
+                     "the last stage: it also runs the head, so it sets the pipeline's pace"))
         for axis, ax in self.comm.items():
             if ax is None:
                 rows.append(("communication", axis, "not modelled", "context parallelism: next chapter"))

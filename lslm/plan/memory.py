@@ -5,7 +5,7 @@ the final norm and the head (with a tied head and ``p > 1`` the last stage keeps
 embedding, as Megatron and lslm do, its gradient summed with the first stage's). Tensor parallelism splits
 every matrix and the (vocabulary-parallel) embedding and head over ``t``; LayerNorm weights, the row-parallel
 biases and the position embedding are replicated; key/value heads split over ``min(t, kv)``. Megatron pads the
-vocabulary to a multiple of ``128 t``: not counted here.
+vocabulary to a multiple of ``128 t``; here each rank holds ``ceil(V/t)`` rows (lslm's ``vocab_multiple=1``).
 
 Activations: :mod:`lslm.plan.activations` (in flight x per layer, plus the ends); with recomputation one layer's
 full activations exist again during its backward (the "recompute working set"). Communication buffers:
@@ -35,7 +35,8 @@ from lslm.plan.params import param_parts
 from lslm.plan.states import ModelStates, bytes_per_element, model_states
 from lslm.plan.terms import Term
 
-__all__ = ["StageMemory", "layer_params_per_rank", "most_loaded", "stage_memory", "stage_params", "stage_split"]
+__all__ = ["StageMemory", "layer_params_per_rank", "most_loaded", "replicated_params", "stage_memory", "stage_params",
+           "stage_split"]
 
 KORTHIKANTI = "Korthikanti et al. 2022, Table 2 / §4.2.3 / §5"
 
@@ -52,6 +53,21 @@ def layer_params_per_rank(model: ModelSpec, t: int) -> int:
     return 2 * h + (2 * h * h + 3 * h * f) // t + 2 * h * kv // kv_shards
 
 
+def replicated_params(model: ModelSpec, layout: Layout, stage: int) -> int:
+    """Parameters of pipeline stage ``stage`` that every tensor-parallel rank holds whole: LayerNorm/RMSNorm
+    weights (and biases), the row-parallel biases, the position embedding and the final norm. Under sequence
+    parallelism each rank's gradient of them covers only its slice of the sequence, so they are summed over the
+    tensor-parallel group once per step (Korthikanti et al. 2022, §4.2.2)."""
+    h = model.hidden
+    per_layer = (6 * h if model.bias else 2 * h) if model.arch == "gpt" else 2 * h
+    total = model.n_layer // layout.pp * per_layer
+    if stage == 0:
+        total += model.positions * h
+    if stage == layout.pp - 1:
+        total += param_parts(model).final_norm
+    return total
+
+
 def stage_split(model: ModelSpec, layout: Layout, stage: int) -> tuple[int, int]:
     """``(layers, root)``: parameters one tensor-parallel rank of pipeline stage ``stage`` holds in its
     ``L/p`` layers, and outside them (embedding on the first stage; final norm and head on the last)."""
@@ -60,7 +76,7 @@ def stage_split(model: ModelSpec, layout: Layout, stage: int) -> tuple[int, int]
         raise ValueError(f"stage {stage} is outside 0..{p - 1}")
     h = model.hidden
     layers = model.n_layer // p * layer_params_per_rank(model, t)
-    word = model.vocab * h // t
+    word = -(-model.vocab // t) * h  # vocabulary-parallel: ceil(V/t) rows (the last rank's padded)
     root = 0
     if stage == 0:
         root += word + model.positions * h
