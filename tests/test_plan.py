@@ -90,11 +90,14 @@ def test_deepspeed_estimator_rows_for_gpt2_small_on_8_devices() -> None:
 
 def test_offload_moves_masters_and_optimizer_states_to_the_host() -> None:
     """ZeRO-Offload (Ren et al. 2021): with the optimizer on the host the device keeps 2Ψ + 4Ψ/N (stage 2, bf16,
-    fp32 gradient slices) and the host 12Ψ/N."""
+    fp32 gradient slices) and the host 16Ψ/N (fp32 masters, Adam's moments, the fp32 gradient slice it steps
+    with): DeepSpeed's stage-2 estimator counts the same 16 bytes per parameter on the CPU (``16Ψ`` per node
+    with ``zero_init``, lslm.metrics.zero_estimates)."""
     psi, n = 8 * 2**20, 8
     s = model_states(psi, Layout(dp=n, zero=2, offload="cpu"))
     assert s.device_bytes == 2 * psi + 4 * psi / n
-    assert sum(t.value for t in s.host.values()) == 12 * psi / n
+    assert sum(t.value for t in s.host.values()) == 16 * psi / n
+    assert deepspeed_zero2_estimate(psi, gpus_per_node=n)[0].gpu_bytes == 2 * psi  # DeepSpeed keeps no grad slice
 
 
 # -- lslm's own ZeRO, exactly -----------------------------------------------------------------------
@@ -533,3 +536,37 @@ def test_tensor_parallel_traffic_equals_the_committed_bench_ledger() -> None:
             assert tp.payload_bytes == row["comm_bytes_per_step"], (run["tp"], row)
             checked += 1
     assert checked == 4  # t = 2, 4 x SP off, on
+
+
+def test_zero_bytes_equal_the_committed_bench() -> None:
+    """bench/results/zero.json (``lslm bench zero``, committed, fp32 at 2 and 4 ranks): each ZeRO entry's bytes per
+    owner (offload's host copies included) and its reduce-scatter / all-gather bytes per step equal the
+    calculator's; optimizer states differ only by Adam's 4-byte ``step`` per parameter piece."""
+    import json
+    from pathlib import Path
+
+    results = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "zero.json").read_text())
+    checked = 0
+    for run in results.values():
+        n = run["world"]
+        spec = ModelSpec.from_gpt_config(GPTConfig(**run["model"]), micro_batch=run["rows_per_rank"],
+                                         global_batch=run["rows_per_rank"] * n)
+        psi = param_parts(spec).total
+        assert psi == run["num_parameters"]
+        for row in run["rows"]:
+            if row["entry"] not in ("zero1", "zero2", "zero3", "zero3-offload"):
+                continue
+            layout = Layout(dp=n, zero=int(row["entry"][4]), precision="fp32",
+                            offload="cpu" if "offload" in row["entry"] else "none")
+            states = model_states(psi, layout)
+            held = {k: states.device[k].value + (states.host[k].value if k in states.host else 0)
+                    for k in states.device}
+            assert [held[k] for k in ("parameters", "gradients", "master_weights")] == \
+                [row[k] for k in ("params_bytes", "grads_bytes", "masters_bytes")], (n, row["entry"])
+            steps = row["optimizer_bytes"] - held["optimizer_states"]
+            assert steps % 4 == 0 and 0 <= steps <= 4 * 2 * len(gpt_tensor_numels(spec)), (n, row["entry"])
+            dp = estimate(spec, layout, H100).comm["dp"]
+            assert sum(c.payload * c.count for c in dp.collectives if "gather" in c.label) == row["ag_bytes"]
+            assert sum(c.payload * c.count for c in dp.collectives if "gather" not in c.label) == row["rs_bytes"]
+            checked += 1
+    assert checked == 8

@@ -17,7 +17,9 @@ stage    parameters      gradients       masters         optimizer
 With ``p = g = 2``, ``k + 8 = 12`` this is the ZeRO paper's ``(2 + 2 + K)Ψ`` family (Rajbhandari et al. 2020,
 §5.4, ``K = 12``, :func:`lslm.metrics.zero_estimates.paper_bytes`); with ``g = 4`` it is Megatron-LM's
 convention of 18 bytes per parameter, ``6 + 12/d`` with its distributed optimizer (stage 1).
-``offload="cpu"`` moves the masters and optimizer states to the host.
+``offload="cpu"`` (ZeRO-Offload, Ren et al. 2021) moves the masters and optimizer states to the host, which
+also keeps an fp32 copy of the gradient slice to step with: ``(4 + 8 + 4)Ψ/N`` there (DeepSpeed's 16 bytes per
+parameter of host states), and fp32 masters even when the device trains in fp32.
 
 **Padding, exactly as lslm lays out ZeRO** (:mod:`lslm.zero.layout`): the stage's parameters sit in flat
 buckets, each rounded up to a multiple of ``N`` elements; rank ``r`` owns the ``r``-th of ``N`` equal slices of
@@ -88,6 +90,9 @@ def model_states(psi: int, layout: Layout, *, buckets: Sequence[int] | None = No
     if not 0 <= rank < n:
         raise ValueError(f"rank {rank} is outside the {n} ranks that share the model states")
     width = bytes_per_element(layout)
+    offload = layout.offload == "cpu"
+    if offload:  # the host steps fp32 masters of its own, whatever the device's precision
+        width["master_weights"] = 4
     padded, slice_total, owned = _slices(buckets, n, rank) if layout.zero else (psi, psi, psi)
     stage = layout.zero
     numel = {"parameters": slice_total if stage >= 3 else padded,
@@ -101,8 +106,11 @@ def model_states(psi: int, layout: Layout, *, buckets: Sequence[int] | None = No
         value = width[owner] * numel[owner]
         formula = f"{sym[owner]}·Ψ" + (" / N" if sharded[owner] else "") + f"  ({sym[owner]} = {width[owner]})"
         term = Term(owner, value, "B", formula, SOURCE)
-        offloaded = layout.offload == "cpu" and owner in ("master_weights", "optimizer_states")
+        offloaded = offload and owner in ("master_weights", "optimizer_states")
         (host if offloaded else device)[owner] = term
         if offloaded:
             device[owner] = Term(owner, 0.0, "B", "offloaded to the host (ZeRO-Offload)", "Ren et al. 2021")
+    if offload:
+        host["gradients"] = Term("gradients", 4 * owned, "B", "4·Ψ / N: the fp32 copy of the slice the host steps",
+                                 "Ren et al. 2021; lslm.zero (offload)")
     return ModelStates(device, host)
