@@ -570,3 +570,29 @@ def test_zero_bytes_equal_the_committed_bench() -> None:
             assert sum(c.payload * c.count for c in dp.collectives if "gather" not in c.label) == row["rs_bytes"]
             checked += 1
     assert checked == 8
+
+
+def test_pipeline_traffic_equals_the_committed_bench() -> None:
+    """bench/results/pipeline.json (``lslm bench pipeline``, committed, p = 2 and 4): rank 0's p2p calls and bytes
+    per step for GPipe, 1F1B and interleaved 1F1B are twice the calculator's sends of rank 0 (each send has a
+    matching receive of the same size: ``(2v - 1)m`` each way), at the calculator's message size ``e·sbh``."""
+    import json
+    from pathlib import Path
+
+    from lslm.plan.comm import communication
+
+    results = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "pipeline.json").read_text())
+    checked = 0
+    for run in results.values():
+        cfg = GPTConfig(**run["model"])
+        for row in run["rows"]:
+            if row["lslm_schedule"] not in ("gpipe", "1f1b", "interleaved"):
+                continue  # zero-bubble and DualPipeV schedules are not modelled here
+            m, v = row["m"], row["v"]
+            spec = ModelSpec.from_gpt_config(cfg, micro_batch=run["batch"] // m, global_batch=run["batch"])
+            (sends,) = communication(spec, Layout(pp=run["p"], v=v, precision="fp32"), H100, m, 0)["pp"].collectives
+            assert sends.payload == row["message_bytes"]
+            assert (2 * sends.count, 2 * sends.count * sends.payload) == \
+                (row["pp_comm_calls_rank0"], row["pp_comm_bytes_rank0"]), (run["p"], row["lslm_schedule"], m)
+            checked += 1
+    assert checked == 12

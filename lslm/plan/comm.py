@@ -222,6 +222,12 @@ def _pp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
 
 
 def communication(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> dict[str, AxisComm | None]:
-    """Each axis's communication per step on one device of pipeline stage ``stage`` (``cp``: ``None``)."""
-    return {"dp": _dp(model, layout, hw, m, stage), "tp": _tp(model, layout, hw, m, stage),
-            "pp": _pp(model, layout, hw, m, stage), "cp": None}
+    """Each axis's communication per step on one device of pipeline stage ``stage`` (``cp``: ``None``).
+
+    An axis of size 1 communicates nothing: its :class:`AxisComm` has no collectives."""
+    axes = {"dp": _dp(model, layout, hw, m, stage), "tp": _tp(model, layout, hw, m, stage),
+            "pp": _pp(model, layout, hw, m, stage)}
+    out: dict[str, AxisComm | None] = {name: ax if ax.group > 1 else AxisComm(name, 1, ax.link, ())
+                                       for name, ax in axes.items()}
+    out["cp"] = None
+    return out

@@ -99,6 +99,9 @@ class Estimate:
             if ax is None:
                 rows.append(("communication", axis, "not modelled", "context parallelism: next chapter"))
                 continue
+            if not ax.collectives:
+                rows.append(("communication", axis, "none", "an axis of size 1"))
+                continue
             rows.append(("communication", f"{axis} (group {ax.group})", format_bytes_gb(ax.wire_bytes) + " sent",
                          f"{ax.time_s * 1e3:.3f} ms back to back; link {ax.link.bandwidth_Bps / 1e9:g} GB/s, "
                          f"alpha {ax.link.alpha_s * 1e6:g} µs"))

@@ -124,16 +124,16 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
     verdicts = []
     tp, pp, dp = comm["tp"], comm["pp"], comm["dp"]
     layers = model.n_layer // p
-    if tp is not None:
+    if tp is not None and tp.group > 1:
         times["tp"] = Term("tensor-parallel communication", tp.time_s, "s", "alpha-beta, not overlapped",
                            "Shoeybi et al. 2019; Korthikanti et al. 2022")
         per_layer = sum(c.time_s for c in tp.collectives if c.label.startswith("layer")) / (layers * m)
         verdicts.append(Verdict("tp", per_layer, t_layer, "per layer and micro-batch"))
-    if pp is not None:
+    if pp is not None and pp.group > 1:
         times["pp"] = Term("pipeline communication", pp.time_s, "s", "alpha-beta per send, not overlapped",
                            "Narayanan et al. 2021")
         verdicts.append(Verdict("pp", pp.time_s / m, t_mb, "per micro-batch"))
-    if dp is not None:
+    if dp is not None and dp.group > 1:
         if layout.zero == 3:
             per_mb = dp.time_s / m  # everything moves every micro-batch, prefetched behind its compute
             exposed = m * max(0.0, per_mb - t_mb)
