@@ -207,6 +207,14 @@ def test_plan_prints_the_traced_table_and_searches(capsys: pytest.CaptureFixture
                  "--global-batch", "16", "--devices", "4", "--search", "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert "the 2 fastest layouts that fit" in out and "  1. dp " in out and "  2. dp " in out
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "examples:" in text and "lslm plan --model llama3-8b --devices 8 --search --flash" in text
+    for option in ("--model", "--hardware", "--peak-tflops", "--devices", "--zero", "--sp", "--recompute",
+                   "--search", "--flash"):
+        assert option in text, option
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -95,15 +95,16 @@ class Verdict:
         return self.comm_s > self.compute_s
 
 
-def _stage_microbatch_s(model: ModelSpec, layout: Layout, hw: Hardware, last: bool) -> tuple[float, float, float]:
-    """(forward+backward+recompute, backward, one layer's F+B+R) seconds of one micro-batch on one device."""
+def _stage_microbatch_s(model: ModelSpec, layout: Layout, hw: Hardware) -> tuple[float, float, float]:
+    """(forward+backward+recompute, backward, one layer's F+B+R) seconds of one micro-batch on one device of the
+    last pipeline stage (its layers and the head)."""
     rate = hw.flops(layout.precision)
     shard = layout.tp * layout.cp
     mm, core = layer_forward_flops(model, model.micro_batch)
     extra = {"none": 0.0, "selective": core, "full": mm + core}[layout.recompute]
     layer = (3 * (mm + core) + extra) / shard
     layers = model.n_layer // layout.pp
-    head = 2 * model.micro_batch * model.seq_len * model.hidden * model.vocab / shard if last else 0.0
+    head = 2 * model.micro_batch * model.seq_len * model.hidden * model.vocab / shard
     total = (layers * layer + 3 * head) / rate
     backward = (layers * 2 * (mm + core) / shard + 2 * head) / rate
     return total, backward, layer / rate
@@ -113,7 +114,7 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
               comm: dict[str, AxisComm | None]) -> tuple[dict[str, Term], list[Verdict]]:
     """Time terms of one step on the most loaded stage, and a verdict per axis (module doc)."""
     # The last stage has the head on top of the same layers: it sets the pace of the pipeline.
-    t_mb, t_bwd, t_layer = _stage_microbatch_s(model, layout, hw, last=True)
+    t_mb, t_bwd, t_layer = _stage_microbatch_s(model, layout, hw)
     p, v = layout.pp, layout.v
     compute = m * t_mb
     bubble = (p - 1) / v * t_mb
@@ -137,19 +138,20 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
         if layout.zero == 3:
             per_mb = dp.time_s / m  # everything moves every micro-batch, prefetched behind its compute
             exposed = m * max(0.0, per_mb - t_mb)
-            scope = "per micro-batch (prefetched behind its compute)"
-            verdicts.append(Verdict("dp", per_mb, t_mb, scope))
+            how = "m · max(0, per-micro-batch gathers and reduce-scatters - T_mb)"
+            verdicts.append(Verdict("dp", per_mb, t_mb, "per micro-batch (prefetched behind its compute)"))
         else:
             reduce = sum(c.time_s for c in dp.collectives if "gather" not in c.label)
             gather = dp.time_s - reduce
             if layout.zero == 2:  # each micro-batch's reduce-scatter hides behind that micro-batch's backward
                 exposed = m * max(0.0, reduce / m - t_bwd) + gather
+                how = "m · max(0, reduce-scatter - its backward) + all-gather"
             else:  # one reduction per step, behind the last micro-batch's backward
                 exposed = max(0.0, reduce - t_bwd) + gather
+                how = "max(0, reduction - last backward)" + (" + all-gather" if gather else "")
             verdicts.append(Verdict("dp", dp.time_s, m * t_bwd, "per step, against the step's backward"))
         times["dp"] = Term("data-parallel communication (exposed)", exposed, "s",
-                           f"of {dp.time_s:.3g} s in all; reduce overlapped with the last backward",
-                           "Rajbhandari et al. 2020; Li et al. 2020 §3.2.3")
+                           f"{how}; {dp.time_s:.3g} s in all", "Rajbhandari et al. 2020; Li et al. 2020 §3.2.3")
     times["step"] = Term("step", sum(t.value for t in times.values()), "s",
                          "compute + bubble + tp + pp + exposed dp", "this module")
     return times, verdicts
