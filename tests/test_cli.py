@@ -203,6 +203,10 @@ def test_plan_prints_the_traced_table_and_searches(capsys: pytest.CaptureFixture
     for section in ("-- parameters", "-- memory", "-- communication", "-- time", "-- roofline"):
         assert section in out, section
     assert "Korthikanti" in out and "ZeRO §5.4" in out  # every number names its source
+    assert "link 450 GB/s, alpha 5 µs" in out  # the preset's NVLink for tp
+    main(["plan", "--model", "gpt3-175b", "--devices", "1024", "--tp", "8", "--pp", "8", "--intra-gbps", "100",
+          "--intra-alpha-us", "2"])
+    assert "link 100 GB/s, alpha 2 µs" in capsys.readouterr().out
     assert main(["plan", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "1000", "--seq", "128",
                  "--global-batch", "16", "--devices", "4", "--search", "--top", "2"]) == 0
     out = capsys.readouterr().out
@@ -226,6 +230,7 @@ def test_plan_prints_the_traced_table_and_searches(capsys: pytest.CaptureFixture
     (["plan", "--model", "gpt2-small", "--sp"], "needs tp > 1"),
     (["plan", "--model", "gpt2-small", "--hardware", "cpu-box"], "no compute rate for bf16"),
     (["plan", "--model", "gpt2-small", "--zero", "4"], "argument --zero: invalid choice"),
+    (["plan", "--model", "gpt2-small", "--inter-gbps", "0"], "Link.bandwidth_Bps must be > 0"),
 ])
 def test_plan_refuses_bad_input_with_what_to_change(argv: list[str], message: str,
                                                     capsys: pytest.CaptureFixture[str]) -> None:

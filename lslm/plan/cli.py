@@ -1,7 +1,8 @@
 """``lslm plan``: the calculator on the command line (one layout's table, or ``--search`` for the best ones).
 
 A preset model (``--model gpt3-175b``) or one described by flags (``--layers --hidden --heads ...``), a
-hardware preset with any field overridden (``--peak-tflops``, ``--hbm-gb``, ``--devices-per-node``), and a layout
+hardware preset with its numbers overridden (``--peak-tflops``, ``--efficiency``, ``--hbm-gb``,
+``--devices-per-node``, ``--intra-gbps``/``--inter-gbps``, ``--intra-alpha-us``/``--inter-alpha-us``), and a layout
 (``--dp --tp --pp --v --zero --sp --recompute --precision``). Bad input is refused through ``parser.error`` with
 the calculator's own message (what to change).
 """
@@ -13,7 +14,7 @@ import dataclasses
 from typing import Any
 
 from lslm.plan.estimate import estimate
-from lslm.plan.hardware import PRECISIONS, hardware_presets
+from lslm.plan.hardware import PRECISIONS, Link, hardware_presets
 from lslm.plan.layout import OFFLOADS, RECOMPUTE, Layout
 from lslm.plan.model import ModelSpec, model_presets
 from lslm.plan.search import search
@@ -46,6 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--efficiency", type=float, default=None, help="fraction of peak reached (default 1.0)")
     h.add_argument("--hbm-gb", type=float, default=None, help="device memory in GiB (overrides)")
     h.add_argument("--devices-per-node", type=int, default=None, help="devices on the fast link (overrides)")
+    for kind in ("intra", "inter"):
+        h.add_argument(f"--{kind}-gbps", type=float, default=None,
+                       help=f"{kind}-node bandwidth per device and direction, GB/s (overrides)")
+        h.add_argument(f"--{kind}-alpha-us", type=float, default=None,
+                       help=f"{kind}-node latency per message, microseconds (overrides)")
     lay = p.add_argument_group("layout")
     lay.add_argument("--devices", type=int, default=None, help="device count (dp x tp x pp x cp must equal it)")
     for flag in ("--dp", "--tp", "--pp", "--v", "--cp"):
@@ -97,6 +103,12 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             changes["hbm_bytes"] = ns.hbm_gb * 2**30
         if ns.devices_per_node is not None:
             changes["devices_per_node"] = ns.devices_per_node
+        for kind in ("intra", "inter"):
+            link = getattr(hw, kind)
+            gbps, alpha_us = getattr(ns, f"{kind}_gbps"), getattr(ns, f"{kind}_alpha_us")
+            if gbps is not None or alpha_us is not None:
+                changes[kind] = Link(link.alpha_s if alpha_us is None else alpha_us * 1e-6,
+                                     link.bandwidth_Bps if gbps is None else gbps * 1e9)
         hw = dataclasses.replace(hw, **changes)
         if ns.search:
             if ns.devices is None:
