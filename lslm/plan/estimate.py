@@ -88,11 +88,11 @@ class Estimate:
             rows.append(("memory", name, term.formatted(), f"{term.formula}  [{term.source}]"))
         a0 = mem.activations_without_recompute
         rows.append(("memory", "(activations without recompute)", a0.formatted(), a0.formula))
-        for name, term in mem.states.host.items():
-            rows.append(("host memory", name, term.formatted(), term.formula))
         verdict = "fits" if self.fits else "does NOT fit"
         rows.append(("memory", "total", format_bytes_gb(mem.total),
                      f"{verdict} in {format_bytes_gb(self.hardware.usable_bytes)} usable"))
+        for name, term in mem.states.host.items():
+            rows.append(("host memory", name, term.formatted(), f"{term.formula}  [{term.source}]"))
         rows.append(("communication", f"per step, pipeline stage {self.layout.pp - 1}", "",
                      "the last stage: it also runs the head, so it sets the pipeline's pace"))
         for axis, ax in self.comm.items():
