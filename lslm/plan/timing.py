@@ -22,7 +22,8 @@ stage 2's per-micro-batch reduce-scatters during each micro-batch's backward, an
 are prefetched behind that micro-batch's compute (exposed only beyond it). The optimizer step itself, and
 offload's host transfers and CPU Adam, are not timed.
 
-**Roofline verdicts** (the JAX scaling book's reasoning, "How to scale your model", parts 1 and 5): an axis is
+**Roofline verdicts** (the reasoning of the JAX scaling book, "How to Scale Your Model": its rooflines chapter
+and its chapter on parallelising a transformer for training): an axis is
 *communication-bound* when its communication takes longer than the computation it could hide behind, so
 that no overlap can save it: tensor parallelism per layer and micro-batch against that layer's compute;
 pipeline sends per micro-batch against the stage's compute for it; data parallelism per step against the
