@@ -599,13 +599,14 @@ def test_pipeline_traffic_equals_the_committed_bench() -> None:
 
 
 @pytest.mark.parametrize("t", [2, 4])
-@pytest.mark.parametrize("sp", [False, True])
-def test_tensor_parallel_activation_bytes_within_5_percent_of_lslm(t: int, sp: bool) -> None:
+@pytest.mark.parametrize(("sp", "regather"), [(False, True), (True, True), (True, False)])
+def test_tensor_parallel_activation_bytes_within_5_percent_of_lslm(t: int, sp: bool, regather: bool) -> None:
     """One rank of apply_tensor_parallel(GPT) (8 heads, dropout, fp32) in the fake process group: the bytes autograd
     saves for backward, measured with saved-tensor hooks, against the calculator's per-rank activations (Table 2's
     tensor-parallel and sequence-parallel rows at this CPU's widths, the ends vocabulary-parallel). With a single
     head per rank lslm keeps more (its ``v`` view holds the whole qkv output alive,
-    lslm.metrics.activation_theory): the calculator follows the paper there, so heads/t >= 2 here."""
+    lslm.metrics.activation_theory): the calculator follows the paper there, so heads/t >= 2 here. Without
+    re-gathering (``regather=False``) the column-parallel layers keep their gathered inputs whole."""
     from lslm.metrics.activations import ActivationMemory
     from lslm.plan.memory import stage_memory
     from lslm.tensor_parallel.apply import apply_tensor_parallel
@@ -616,13 +617,53 @@ def test_tensor_parallel_activation_bytes_within_5_percent_of_lslm(t: int, sp: b
         ctx = ParallelContext.create(RankGrid.build(t, tp=t), rank=0, local_rank=0, node_rank=0,
                                      device=torch.device("cpu"), backend="fake", timeout_s=5)
         torch.manual_seed(0)
-        model = apply_tensor_parallel(GPT(cfg), ctx, sequence_parallel=sp).train()
+        model = apply_tensor_parallel(GPT(cfg), ctx, sequence_parallel=sp, regather_input=regather).train()
         xy = torch.randint(0, cfg.vocab_size, (b, s + 1))
         with ActivationMemory(model) as act:
             loss = vocab_parallel_cross_entropy(model(xy[:, :-1])[0], xy[:, 1:], ctx, vocab_size=cfg.vocab_size)
         loss.backward()
     spec = ModelSpec.from_gpt_config(cfg, seq_len=s, micro_batch=b, global_batch=b)
-    layout = Layout(tp=t, sequence_parallel=sp, precision="fp32")
+    layout = Layout(tp=t, sequence_parallel=sp, regather=regather, precision="fp32")
     predicted = stage_memory(spec, layout, 1, 0, mask_bytes=hardware_presets()["cpu-box"].dropout_mask_bytes)
     assert predicted.activations.value == pytest.approx(act.bytes, rel=0.05)
     assert predicted.activations.value < act.bytes  # what is left: LayerNorm statistics, ids, small scalars
+
+
+@pytest.mark.parametrize(("t", "kv", "sp"), [(2, 2, False), (4, 2, False), (4, 2, True)])
+def test_llama_tensor_parallel_shards_and_traffic_equal_lslm(t: int, kv: int, sp: bool) -> None:
+    """Hugging Face Llama (GQA, SwiGLU, RMSNorm) under lslm's apply_tensor_parallel in the fake process group: the
+    parameters one rank holds, and its calls and bytes for one micro-batch and the gradient syncs, equal the
+    calculator's, including the sum of the replicated key/value heads' gradients when t > kv. lslm's plan for
+    Hugging Face models keeps the gathered inputs (``regather=False``) and all-reduces the embedding's output
+    before scattering it (one all-reduce where Megatron, and lslm's own GPT, reduce-scatter: same bytes)."""
+    from lslm.models.hf import build_hf_llama
+    from lslm.plan.memory import stage_params
+    from lslm.tensor_parallel.apply import apply_tensor_parallel
+    from lslm.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+    from lslm.tensor_parallel.grads import sync_tensor_parallel_grads
+
+    with fake_world(0, t):
+        ctx = ParallelContext.create(RankGrid.build(t, tp=t), rank=0, local_rank=0, node_rank=0,
+                                     device=torch.device("cpu"), backend="fake", timeout_s=5)
+        model = apply_tensor_parallel(build_hf_llama(1024, 64, 2, 4, 128, 256, kv), ctx, sequence_parallel=sp)
+        held = sum(p.numel() for p in model.parameters())
+        xy = torch.randint(0, 1024, (2, 17))
+        vocab_parallel_cross_entropy(model(xy[:, :-1]).logits, xy[:, 1:], ctx, vocab_size=1024).backward()
+        sync_tensor_parallel_grads(model, ctx)
+        records = list(ctx.comm.ledger.records)
+    spec = ModelSpec(2, 128, 4, 1024, 16, micro_batch=2, global_batch=2, n_kv_head=kv, ffn_hidden=256, arch="llama",
+                     dropout=False)
+    layout = Layout(tp=t, sequence_parallel=sp, regather=False, precision="fp32")
+    assert held == stage_params(spec, layout, 0)
+    expected: dict[str, list[float]] = {}
+    for c in estimate(spec, layout, H100).comm["tp"].collectives:
+        op = "all_reduce" if c.label == "embedding reduce-scatter" else c.algorithm.removesuffix("_ring")
+        expected.setdefault(op, [0, 0])
+        expected[op][0] += c.count
+        expected[op][1] += c.count * c.payload
+    measured: dict[str, list[float]] = {}
+    for r in records:
+        measured.setdefault(r.op, [0, 0])
+        measured[r.op][0] += 1
+        measured[r.op][1] += r.nbytes
+    assert expected == measured

@@ -67,9 +67,11 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute: str | No
     if recompute == "full":
         return e * s * b * h / region
     attention_core = 0 if (recompute == "selective" or layout.flash_attention) else 1
+    # Without re-gathering, the two column-parallel layers keep their gathered input: e·sbh each, not split.
+    kept_whole = 2 * e * s * b * h * (1 - 1 / t) if sp and not layout.regather else 0.0
     if model.arch == "gpt" and model.ffn == 4 * h and model.kv_heads == a and m:
         total = korthikanti_layer_bytes(s, b, h, a, t, sp, act_bytes=e, mask_bytes=m)
-        return total - (1 - attention_core) * a * s * s * b * (2 * e + m) / t
+        return total - (1 - attention_core) * a * s * s * b * (2 * e + m) / t + kept_whole
     # The paper's list of tensors, adapted (module doc): replicated region, then the head/MLP-sharded part.
     kv_frac = model.kv_heads / a
     replicated = s * b * h * (4 * e + 2 * m)
@@ -78,7 +80,7 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute: str | No
     proj = s * b * h * e
     f = model.ffn
     mlp = s * b * f * e * (4 if model.arch == "llama" else 2)
-    return replicated / region + (qkv + core + proj + mlp) / t
+    return replicated / region + (qkv + core + proj + mlp) / t + kept_whole
 
 
 def layer_formula(model: ModelSpec, layout: Layout, recompute: str | None = None) -> str:
@@ -131,4 +133,5 @@ def last_stage_extra_bytes(model: ModelSpec, layout: Layout) -> float:
     e = _width(layout)
     s, b, h, t = model.seq_len // layout.cp, model.micro_batch, model.hidden, layout.tp
     region = t if layout.sequence_parallel else 1
-    return 2 * e * s * b * h / region + 4 * s * b * model.vocab / t
+    head_input = e * s * b * h / (region if layout.regather else 1)  # without re-gathering: kept whole
+    return e * s * b * h / region + head_input + 4 * s * b * model.vocab / t

@@ -24,9 +24,11 @@ all-reduce; ``n - 1`` and ``(n-1)/n S`` for all-gather and reduce-scatter; 1 and
   forward, a re-gather and a reduce-scatter in the backward) and the vocabulary-parallel cross-entropy's two
   small all-reduces (the max, ``4 s b`` bytes; the target logit and the sum of exponentials, ``8 s b``).
   With sequence parallelism the gradients of the replicated parameters (norms, row-parallel biases, position
-  embedding) are summed over the group once per step. These are the calls lslm's
-  :func:`~lslm.tensor_parallel.apply.apply_tensor_parallel` and its gradient sync make (tests count them in its
-  ledger, and in the committed ``bench/results/tp.json``).
+  embedding) are summed over the group once per step; with fewer key/value heads than ranks (GQA), so are the
+  replicated heads' (lslm's ``kv-heads`` buffer: a slot per head). ``regather=False`` (lslm's plan for Hugging
+  Face models) keeps the gathered inputs instead of re-gathering them: 2 fewer all-gathers per layer. These are
+  the calls lslm's :func:`~lslm.tensor_parallel.apply.apply_tensor_parallel` and its gradient sync make (tests
+  count them in its ledger, and in the committed ``bench/results/tp.json``).
 * **pp** (Narayanan et al. 2021 §2.2): per micro-batch and chunk, one activation forward and one gradient
   backward of ``e · s b h`` (``/t`` with SP), ``v`` chunks per rank; nothing leaves the model's first stage
   backward or its last stage forward (:func:`pp_sends`; a test counts lslm's executor's sends).
@@ -165,8 +167,11 @@ def _tp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
     fwd_passes = 2 if layout.recompute == "full" else 1
     out: list[Collective] = []
     if layout.sequence_parallel:
-        out += [Collective("tp", "layer all-gather", "all_gather_ring", a, t, (2 * fwd_passes + 4) * layers * m, link,
-                           "2 forward (+2 recompute) + 2 backward + 2 re-gathers per layer"),
+        regathers = 2 if layout.regather else 0
+        out += [Collective("tp", "layer all-gather", "all_gather_ring", a, t,
+                           (2 * fwd_passes + 2 + regathers) * layers * m, link,
+                           "2 forward (+2 recompute) + 2 backward" + (" + 2 re-gathers" if regathers else "")
+                           + " per layer"),
                 Collective("tp", "layer reduce-scatter", "reduce_scatter_ring", a, t,
                            (2 * fwd_passes + 2) * layers * m, link, "2 forward (+2 recompute) + 2 backward per layer")]
     else:
@@ -180,8 +185,9 @@ def _tp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
             out.append(Collective("tp", "embedding all-reduce", "all_reduce_ring", a, t, m, link, "forward"))
     if stage == layout.pp - 1:
         if layout.sequence_parallel:
-            out += [Collective("tp", "head input all-gather", "all_gather_ring", a, t, 2 * m, link,
-                               "forward + re-gather in backward"),
+            gathers = 2 if layout.regather else 1
+            out += [Collective("tp", "head input all-gather", "all_gather_ring", a, t, gathers * m, link,
+                               "forward" + (" + re-gather in backward" if layout.regather else "")),
                     Collective("tp", "head input-gradient reduce-scatter", "reduce_scatter_ring", a, t, m, link,
                                "backward")]
         else:
@@ -190,6 +196,11 @@ def _tp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
         out += [Collective("tp", "cross-entropy max", "all_reduce_ring", 4 * s * b, t, m, link, "fp32, per token"),
                 Collective("tp", "cross-entropy target logit + sum of exp", "all_reduce_ring", 8 * s * b, t, m, link,
                            "two fp32 per token, one call")]
+    if model.kv_heads < t:  # each key/value head lives on t/kv ranks: their gradients are summed once per step
+        kv = 2 * model.hidden * model.kv_heads * model.head_dim * (model.n_layer // layout.pp)
+        count, size = _calls(bytes_per_element(layout)["gradients"] * kv, layout.bucket_mb * 2**20)
+        out.append(Collective("tp", "replicated key/value-head gradient sum", "all_reduce_ring", size, t, count, link,
+                              "once per step: k and v weights, one slot per key/value head"))
     if layout.sequence_parallel:
         grads = bytes_per_element(layout)["gradients"] * replicated_params(model, layout, stage)
         count, size = _calls(grads, layout.bucket_mb * 2**20)

@@ -10,8 +10,10 @@ Options: ``zero`` (0: plain data parallelism; 1-3: ZeRO stages, Rajbhandari et a
 attention core, §5; ``"full"``: every layer keeps only its input), ``precision`` (``fp32``; ``bf16``/``fp16``
 with fp32 master weights), ``grad_dtype`` (``"fp32"``: Megatron's and lslm's fp32 ``main_grad``; ``"param"``:
 gradients in the parameters' dtype, the ZeRO paper's accounting), ``v`` virtual stages per pipeline rank
-(interleaved 1F1B), ``flash_attention`` (no ``s^2`` tensors kept), ``bucket_mb`` (data-parallel bucket size,
-which sets how many messages a step sends).
+(interleaved 1F1B), ``flash_attention`` (no ``s^2`` tensors kept), ``regather`` (with sequence parallelism
+the column-parallel layers keep their sharded input and all-gather it again in backward, Megatron's choice and
+lslm's for its GPT; False keeps the gathered input), ``bucket_mb`` (data-parallel bucket size, which sets how
+many messages a step sends).
 
 :func:`check_layout` refuses a layout that cannot run, with what to change.
 """
@@ -45,6 +47,7 @@ class Layout:
     precision: str = "bf16"
     grad_dtype: str = "fp32"
     flash_attention: bool = False
+    regather: bool = True
     bucket_mb: float = 25.0
 
     def __post_init__(self) -> None:
