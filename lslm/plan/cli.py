@@ -59,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (default 0)")
     lay.add_argument("--offload", choices=OFFLOADS, default="none", help="optimizer offload (ZeRO-Offload)")
     lay.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    lay.add_argument("--no-regather", action="store_true",
+                     help="with --sp: keep the gathered inputs instead of all-gathering them again in backward")
     lay.add_argument("--recompute", choices=RECOMPUTE, default="none", help="activation recomputation")
     lay.add_argument("--precision", choices=PRECISIONS, default="bf16", help="default bf16 (fp32 masters)")
     lay.add_argument("--flash", action="store_true", help="fused attention: no s^2 activations kept")
@@ -132,7 +134,7 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         dp = ns.dp if ns.dp is not None else (ns.devices // world_rest if ns.devices else 1)
         layout = Layout(dp=dp, tp=ns.tp, pp=ns.pp, v=ns.v, cp=ns.cp, zero=ns.zero, offload=ns.offload,
                         sequence_parallel=ns.sp, recompute=ns.recompute, precision=ns.precision,
-                        flash_attention=ns.flash)
+                        flash_attention=ns.flash, regather=not ns.no_regather)
         print(estimate(model, layout, hw, ns.devices).format())
         return 0
     except ValueError as exc:
