@@ -95,7 +95,7 @@ def layer_formula(model: ModelSpec, layout: Layout, recompute: str | None = None
     if layout.tp == 1:
         return "34sbh" if core else "sbh(34 + 5as/h)"
     if sp:
-        kept = "" if layout.regather else " + 4sbh(1 - 1/t) (inputs kept gathered)"
+        kept = "" if layout.regather else " + 2e·sbh(1 - 1/t) (inputs kept gathered)"
         return ("34sbh/t" if core else "sbh/t(34 + 5as/h)") + kept
     return "sbh(10 + 24/t)" if core else "sbh(10 + 24/t + 5as/(ht))"
 
