@@ -667,3 +667,30 @@ def test_llama_tensor_parallel_shards_and_traffic_equal_lslm(t: int, kv: int, sp
         measured[r.op][0] += 1
         measured[r.op][1] += r.nbytes
     assert expected == measured
+
+
+def test_step_time_by_hand() -> None:
+    """The time model on numbers small enough to follow by hand: 1 Gflop/s, links of 1 GB/s and no latency.
+
+    dp = 2, m = 2: compute = m x one micro-batch's flops / rate; the gradient all-reduce (one bucket of 4Ψ bytes,
+    ``2(n-1)/n S`` on the wire = S) hides behind the last micro-batch's backward (2/3 of its flops) and the rest
+    shows. pp = 2 adds the bubble (p - 1)/v x T_mb and the sends, 1 + 1 per micro-batch on the last stage."""
+    from dataclasses import replace
+
+    from lslm.plan import Hardware, Link
+
+    hw = Hardware("by hand", {"fp32": 1e9}, hbm_bytes=2**40, intra=Link(0.0, 1e9), inter=Link(0.0, 1e9))
+    spec = ModelSpec(2, 64, 4, 100, 16, micro_batch=1, global_batch=4, bias=False, dropout=False)
+    est = estimate(spec, Layout(dp=2, precision="fp32"), hw)
+    t_mb = model_flops(spec, sequences=1) / 1e9
+    t_bwd = 2 / 3 * t_mb
+    all_reduce = 4 * param_parts(spec).total / 1e9
+    assert est.microbatches == 2
+    assert est.times["compute"].value == pytest.approx(2 * t_mb)
+    assert est.times["dp"].value == pytest.approx(max(0.0, all_reduce - t_bwd))
+    assert est.step_s == pytest.approx(2 * t_mb + max(0.0, all_reduce - t_bwd))
+    piped = estimate(replace(spec, global_batch=4), Layout(pp=2, precision="fp32"), hw)
+    stage_mb = (model_flops(spec, sequences=1) - 3 * 2 * 16 * 64 * 100) / 2 / 1e9 + 3 * 2 * 16 * 64 * 100 / 1e9
+    assert piped.microbatches == 4
+    assert piped.times["bubble"].value == pytest.approx(stage_mb)  # (p - 1)/v = 1 micro-batch of the last stage
+    assert piped.times["pp"].value == pytest.approx(4 * 4 * 16 * 64 / 1e9)  # (2v - 1)m = 4 sends of e·sbh bytes
