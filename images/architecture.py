@@ -37,6 +37,7 @@ GIST = {
     "collectives": "every collective\nfrom send/recv",
     "data_parallel": "DataParallel written out,\nDDP, accumulation",
     "harness": "config -> CLI, run-or-launch,\ntimer, bench runner",
+    "plan": "memory / comm / time\ncalculator, search",
     "precision": "loss scaler, master\nweights, fp16/bf16",
     "tensor_parallel": "f/g, parallel layers,\napply_tensor_parallel",
     "pipeline": "schedules, executor,\nsimulator, 2BW",

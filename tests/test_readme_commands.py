@@ -59,8 +59,11 @@ MULTI_NODE = (".venv/bin/python -m torch.distributed.run --nnodes=N --nproc-per-
               "--rdzv-backend=c10d --rdzv-endpoint=HOST_OF_NODE_0:29500 --rdzv-id=myjob "
               "-m lslm.launcher.worker --target lslm.demos.smoke:worker --args-file args.json --result-dir results/")
 
+PLAN = "lslm plan --model gpt3-175b --devices 1024 --tp 8 --pp 8 --zero 1 --sp --recompute selective"
+PLAN_SEARCH = "lslm plan --model llama3-8b --devices 8 --search --flash"
+
 #: run exactly as written
-AS_WRITTEN = {LAUNCH_SMOKE, "lslm launch --help", "lslm bench ddp --help"}
+AS_WRITTEN = {LAUNCH_SMOKE, "lslm launch --help", "lslm bench ddp --help", PLAN, PLAN_SEARCH}
 
 #: README command -> (options appended, or {placeholder: value}); why this is the smallest meaningful run
 SMALLEST: dict[str, tuple[str | dict[str, str], str]] = {
@@ -271,6 +274,13 @@ def test_help_commands_as_written(in_tmp: Path) -> None:
     rc, out = _run_lslm(shlex.split("lslm bench ddp --help"))
     assert rc == 0 and "--bucket-mb" in out and "--sweep-mb" in out
     assert "--repeats" not in out and "--sizes-kib" not in out  # only ddp's own options
+
+
+def test_plan_commands_as_written(in_tmp: Path) -> None:
+    rc, out = _run_lslm(shlex.split(PLAN))
+    assert rc == 0 and "-- roofline" in out, out
+    rc, out = _run_lslm(shlex.split(PLAN_SEARCH))
+    assert rc == 0 and "fastest layouts that fit" in out, out
 
 
 def test_python_block(in_tmp: Path) -> None:
