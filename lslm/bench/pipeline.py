@@ -38,7 +38,8 @@ with each virtual stage's mean measured ``F``, ``B``, ``I``, ``W`` (seconds, poo
 recorded steps; the first and last stages carry the embedding and the head, so stages differ)
 and the executor's own time after each action (:func:`compute_overhead_s`, measured: the median gap from
 an action's end to what its rank starts next), and every point-to-point message costing
-``alpha + S beta``, ``S`` the bytes of one micro-batch's activation (or its gradient: the same size) and alpha, beta the fit of ``lslm
+``alpha + S beta``, ``S`` the bytes of one micro-batch's activation (or its gradient: the same
+size) and alpha, beta the fit of ``lslm
 bench collectives`` at the same world size (``bench/results/collectives.json``,
 :func:`lslm.metrics.collective_costs.fit_alpha_beta`), plus one such message for the loss
 broadcast; sends are simulated eager (a send does not wait for its receive to be posted). To
