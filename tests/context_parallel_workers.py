@@ -42,16 +42,16 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def attention_cases(ctx: ParallelContext) -> list[dict[str, Any]]:
     """Ring / zig-zag ring / Ulysses vs full attention: output, dq, dk, dv, and the bytes the ledger saw."""
-    g = CPGroup.of(ctx)
-    gen = torch.Generator().manual_seed(0)
-    q, k, v, dout = (torch.randn(B, H, T, D, generator=gen) for _ in range(4))
+    g, dev = CPGroup.of(ctx), ctx.device
+    gen = torch.Generator().manual_seed(0)  # drawn on the CPU (same numbers everywhere), then moved
+    q, k, v, dout = (torch.randn(B, H, T, D, generator=gen).to(dev) for _ in range(4))
     rows = []
     for method, layout in PLANS:
         for causal in (True, False):
             full = [t.clone().requires_grad_() for t in (q, k, v)]
             ref = F.scaled_dot_product_attention(*full, is_causal=causal)
             ref.backward(dout)
-            pos = local_positions(T, g.size, g.index, layout)
+            pos = local_positions(T, g.size, g.index, layout, device=dev)
             mine = [t.index_select(2, pos).requires_grad_() for t in (q, k, v)]
             records = ctx.comm.ledger.records
             start = len(records)
@@ -73,12 +73,12 @@ def attention_cases(ctx: ParallelContext) -> list[dict[str, Any]]:
 
 def block_cases(ctx: ParallelContext) -> list[dict[str, Any]]:
     """One GPT block with the attention core swapped vs the serial block: output, input and parameter gradients."""
-    g = CPGroup.of(ctx)
+    g, dev = CPGroup.of(ctx), ctx.device
     cfg = GPTConfig.tiny(n_embd=32, n_head=4, block_size=T)
     torch.manual_seed(0)
-    serial = Block(cfg)
+    serial = Block(cfg).to(dev)
     gen = torch.Generator().manual_seed(1)
-    x, dy = torch.randn(2, T, 32, generator=gen), torch.randn(2, T, 32, generator=gen)
+    x, dy = torch.randn(2, T, 32, generator=gen).to(dev), torch.randn(2, T, 32, generator=gen).to(dev)
     xs = x.clone().requires_grad_()
     y = serial(xs)
     y.backward(dy)
@@ -87,7 +87,7 @@ def block_cases(ctx: ParallelContext) -> list[dict[str, Any]]:
         block = copy.deepcopy(serial)
         block.zero_grad()
         block.attn = ContextParallelAttention(block.attn, g, CPPlan(method, layout))
-        pos = local_positions(T, g.size, g.index, layout)
+        pos = local_positions(T, g.size, g.index, layout, device=dev)
         xl = x.index_select(1, pos).requires_grad_()
         yl = block(xl)
         yl.backward(dy.index_select(1, pos))
@@ -99,20 +99,20 @@ def block_cases(ctx: ParallelContext) -> list[dict[str, Any]]:
     return rows
 
 
-def _data(cfg: GPTConfig, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _data(cfg: GPTConfig, batch: int, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(2)
     idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
     targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
     targets[targets % 7 == 0] = -100  # uneven token counts per rank: the loss must count the whole batch
-    return idx, targets
+    return idx.to(device), targets.to(device)
 
 
 def training(ctx: ParallelContext, method: str, layout: str, steps: int = 3) -> dict[str, Any]:
     """GPT trained ``steps`` SGD steps under dp × cp vs serially on the whole batch: losses and parameters."""
     cfg = GPTConfig.tiny(block_size=32)
-    idx, targets = _data(cfg, 2 * ctx.dp_size, 32)
+    idx, targets = _data(cfg, 2 * ctx.dp_size, 32, ctx.device)
     torch.manual_seed(0)
-    serial = GPT(cfg)
+    serial = GPT(cfg).to(ctx.device)
     model = apply_context_parallel(copy.deepcopy(serial), ctx, CPPlan(method, layout))
     opt_s = torch.optim.SGD(serial.parameters(), lr=0.5)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -142,9 +142,9 @@ def training(ctx: ParallelContext, method: str, layout: str, steps: int = 3) -> 
 def activation_bytes(ctx: ParallelContext, method: str) -> int:
     """Bytes autograd saves for one forward + loss of the context-parallel GPT on this rank's slice."""
     cfg = GPTConfig.tiny(block_size=32)
-    idx, targets = _data(cfg, 2, 32)
+    idx, targets = _data(cfg, 2, 32, ctx.device)
     torch.manual_seed(0)
-    model = apply_context_parallel(GPT(cfg), ctx, CPPlan(method, "zigzag"))
+    model = apply_context_parallel(GPT(cfg).to(ctx.device), ctx, CPPlan(method, "zigzag"))
     idx_l, tgt_l = shard_batch(ctx, "zigzag", idx, targets)
     with ActivationMemory(model) as act:
         logits, _ = model(idx_l)
