@@ -7,7 +7,8 @@
 * :mod:`.traffic` - bytes per rank of both, as formulas the ledger is checked against;
 * :mod:`.apply` - :func:`apply_context_parallel` for lslm's GPT, the sharded batch, loss and gradient sum.
 
-torch's own ``context_parallel`` does not run on CPU in torch 2.13: everything here is checked
+torch's own ``context_parallel`` does not run on CPU in torch 2.13 (it replaces only the CUDA
+flash, memory-efficient and cuDNN attention kernels; see :mod:`.ring`): everything here is checked
 against full single-process attention instead.
 """
 

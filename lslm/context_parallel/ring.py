@@ -22,7 +22,10 @@ p2p, so the gradients are exact, not those of a graph that forgot a message.
 Checked against full single-process attention (``F.scaled_dot_product_attention``), output and
 gradients, in tests/test_context_parallel.py. torch's own ``context_parallel``
 (``torch.distributed.tensor.experimental``) does not run on CPU in torch 2.13, so it is not the
-reference here.
+reference here: it swaps only the CUDA attention kernels (flash, memory-efficient and cuDNN
+``aten._scaled_dot_product_*``, forward and backward) for ring versions and raises
+``NotImplementedError`` for any other (``_context_parallel/_attention.py``), and the CPU path
+dispatches to none of them.
 """
 
 from __future__ import annotations
