@@ -42,6 +42,7 @@ GIST = {
     "tensor_parallel": "f/g, parallel layers,\napply_tensor_parallel",
     "pipeline": "schedules, executor,\nsimulator, 2BW",
     "zero": "ZeRO-1/2/3,\noffload",
+    "context_parallel": "ring attention,\nzig-zag, Ulysses",
     "recipes": "training recipes\non the harness",
     "plot": "the figures",
     "bench": "side-by-side\nbenchmarks",
