@@ -230,3 +230,31 @@ def test_traffic_formula_equals_the_ledger(nproc: int, backend: str) -> None:
         assert sent == sum(r["cases"][i]["received"] for r in results)
         rows = sum(r["cases"][i]["formula"]["rows"] for r in results)
         assert rows == sent * 16 * 4 * 2  # dispatched × hidden × bytes × 2 directions
+
+
+@pytest.mark.parametrize("nproc,backend", nproc_backends(2, 4))
+def test_moe_gpt_trains_expert_parallel_equal_to_serial(nproc: int, backend: str) -> None:
+    """3 SGD steps of the MoE GPT (2 layers, 4 experts, top-2, capacity 1.0) against serial on every shard."""
+    for r in _suite(nproc, backend):
+        t = r["training"]
+        assert t["ep"] == nproc and t["same_shared_names"], t
+        # the losses are ~7: 1e-5 is a few fp32 ulps of them; the parameters measured within 1.2e-7
+        assert t["loss_diff"] <= 1e-5 and t["aux_diff"] <= 1e-5 and t["param_diff"] <= TOL, t
+
+
+@pytest.mark.parametrize("nproc,backend", nproc_backends(2, 4))
+def test_load_balance_is_recorded_per_step_over_the_ep_group(nproc: int, backend: str) -> None:
+    """lslm.demos.moe_training: tokens per expert and drops per layer and step, the same on every rank."""
+    results = _suite(nproc, backend)
+    tokens = nproc * 2 * 15  # batch 2 × 15 positions per rank
+    capacity = expert_capacity(2 * 15, 4, 2, 1.0)  # per rank and expert
+    for r in results:
+        assert [s["layers"] for s in r["balance"]] == [s["layers"] for s in results[0]["balance"]]
+        assert [s["step"] for s in r["balance"]] == [0, 1, 2]
+        for step in r["balance"]:
+            assert len(step["layers"]) == 2
+            for layer in step["layers"]:
+                assert layer["tokens"] == tokens and sum(layer["routed"]) == 2 * tokens
+                assert layer["dropped"] == sum(layer["routed"]) - sum(layer["kept"]) >= 0
+                assert max(layer["kept"]) <= nproc * capacity
+                assert layer["max_over_mean"] == max(layer["routed"]) * 4 / (2 * tokens)
