@@ -187,8 +187,12 @@ def test_bad_inputs_are_refused_with_clear_errors() -> None:
             apply_expert_parallel(model, ctx)
         with pytest.raises(ValueError, match="no MoE layer"):
             apply_expert_parallel(GPT(GPTConfig.tiny()), ctx)
-        sharded = apply_expert_parallel(apply_moe(GPT(GPTConfig.tiny()), 8, 2), ctx)
-        assert all(len(b.mlp.experts) == 2 for b in sharded.blocks)
+        serial = apply_moe(GPT(GPTConfig.tiny()), 8, 2)
+        numel = {n: p.numel() for n, p in serial.named_parameters()}
+        sharded = apply_expert_parallel(serial, ctx)
+        assert all(len(b.mlp.experts) == 2 for b in sharded.blocks)  # rank 0 keeps experts 0 and 1 of 8
+        expert_numel = sum(v for n, v in numel.items() if ".experts." in n)
+        assert sum(p.numel() for p in sharded.parameters()) == sum(numel.values()) - expert_numel * 3 // 4
 
 
 # -- across ranks --------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from lslm.expert_parallel.all_to_all import all_to_all_rows, exchange_counts
 from lslm.expert_parallel.balance import moe_balance
 from lslm.expert_parallel.dispatch import Assignments, assign, expert_capacity
 from lslm.expert_parallel.group import EPGroup
-from lslm.expert_parallel.moe import Expert, MoE, apply_moe, check_moe, moe_aux_loss, moe_layers
+from lslm.expert_parallel.moe import Expert, MoE, apply_moe, check_moe, moe_aux_loss, moe_layers, route_tokens
 from lslm.expert_parallel.parallel import (
     ExpertParallelMoE,
     apply_expert_parallel,
@@ -29,4 +29,5 @@ from lslm.expert_parallel.traffic import ep_traffic, rows_per_rank
 __all__ = ["Assignments", "EPGroup", "Expert", "ExpertParallelMoE", "MoE", "Routing", "TopKRouter",
            "all_to_all_rows", "apply_expert_parallel", "apply_moe", "assign", "check_moe", "ep_traffic",
            "exchange_counts", "expert_capacity", "expert_parameters", "load_balancing_loss", "moe_aux_loss",
-           "moe_balance", "moe_layers", "reduce_expert_parallel_grads", "router_z_loss", "rows_per_rank"]
+           "moe_balance", "moe_layers", "reduce_expert_parallel_grads", "route_tokens", "router_z_loss",
+           "rows_per_rank"]

@@ -20,10 +20,10 @@ import torch
 import torch.nn as nn
 
 from lslm.expert_parallel.dispatch import Assignments, assign, expert_capacity
-from lslm.expert_parallel.router import Routing, TopKRouter, load_balancing_loss, router_z_loss
+from lslm.expert_parallel.router import TopKRouter, load_balancing_loss, router_z_loss
 from lslm.models.gpt import Block
 
-__all__ = ["Expert", "MoE", "apply_moe", "check_moe", "moe_aux_loss", "moe_layers"]
+__all__ = ["Expert", "MoE", "apply_moe", "check_moe", "moe_aux_loss", "moe_layers", "route_tokens"]
 
 
 def check_moe(num_experts: int, top_k: int, capacity_factor: float | None, ep: int = 1) -> None:
@@ -37,6 +37,22 @@ def check_moe(num_experts: int, top_k: int, capacity_factor: float | None, ep: i
     if ep < 1 or num_experts % ep:
         raise ValueError(f"num_experts = {num_experts} is not divisible by ep = {ep}: every expert-parallel rank "
                          f"owns the same number of experts; choose num_experts as a multiple of {ep}")
+
+
+def route_tokens(router: TopKRouter, flat: torch.Tensor,
+                 capacity_factor: float | None) -> tuple[Assignments, dict[str, torch.Tensor], dict[str, Any]]:
+    """Route ``flat`` ``(T, C)``, apply the capacity: (kept assignments, auxiliary losses, counts).
+
+    The one routing step of the serial and the expert-parallel layer, so both route alike.
+    The counts come to the host (``.tolist()``): the split sizes of an all-to-all are host integers.
+    """
+    routing = router(flat)
+    cap = expert_capacity(flat.shape[0], router.num_experts, router.top_k, capacity_factor)
+    a = assign(routing.experts, routing.gates, router.num_experts, cap)
+    aux = {"load_balancing": load_balancing_loss(routing), "z": router_z_loss(routing)}
+    stats = {"per_expert": a.per_expert.tolist(), "routed": a.routed.tolist(), "dropped": a.dropped,
+             "capacity": cap, "tokens": flat.shape[0]}
+    return a, aux, stats
 
 
 class Expert(nn.Module):
@@ -69,20 +85,15 @@ class MoE(nn.Module):
         self.aux: dict[str, torch.Tensor] = {}
         self.stats: dict[str, Any] = {}
 
-    def route(self, flat: torch.Tensor) -> tuple[Routing, Assignments]:
-        """Route ``flat`` ``(T, C)``, apply the capacity, and keep the auxiliary losses and counts."""
-        routing = self.router(flat)
-        cap = expert_capacity(flat.shape[0], self.num_experts, self.top_k, self.capacity_factor)
-        a = assign(routing.experts, routing.gates, self.num_experts, cap)
-        self.aux = {"load_balancing": load_balancing_loss(routing), "z": router_z_loss(routing)}
-        self.stats = {"per_expert": a.per_expert.tolist(), "routed": a.routed.tolist(), "dropped": a.dropped,
-                      "capacity": cap, "tokens": flat.shape[0]}
-        return routing, a
+    def route(self, flat: torch.Tensor) -> Assignments:
+        """Route ``flat`` ``(T, C)``, apply the capacity; keep the auxiliary losses (``aux``) and counts (``stats``)."""
+        a, self.aux, self.stats = route_tokens(self.router, flat, self.capacity_factor)
+        return a
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(..., C)`` -> the gated sum of the chosen experts' outputs, same shape."""
         flat = x.reshape(-1, x.shape[-1])
-        _, a = self.route(flat)
+        a = self.route(flat)
         out = torch.zeros_like(flat)
         start = 0
         for e, n in enumerate(a.per_expert.tolist()):

@@ -21,12 +21,14 @@ shard with the shards' losses averaged: tests/test_expert_parallel.py checks it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 
 from lslm.expert_parallel.all_to_all import all_to_all_rows, exchange_counts
 from lslm.expert_parallel.group import EPGroup
-from lslm.expert_parallel.moe import MoE, check_moe
+from lslm.expert_parallel.moe import MoE, check_moe, route_tokens
 from lslm.runtime.context import ParallelContext
 
 __all__ = ["COMBINE_LABEL", "DISPATCH_LABEL", "GRAD_LABEL", "ExpertParallelMoE", "apply_expert_parallel",
@@ -45,27 +47,17 @@ class ExpertParallelMoE(nn.Module):
         self.num_experts, self.top_k, self.capacity_factor = moe.num_experts, moe.top_k, moe.capacity_factor
         self.local = moe.num_experts // g.size
         self.first = g.index * self.local
-        self.route = moe.route  # the serial layer's routing, capacity, losses and counts (its stats/aux)
         self.router = moe.router
-        self.experts = nn.ModuleList(moe.experts[self.first:self.first + self.local])
+        self.experts = nn.ModuleList(moe.experts[self.first:self.first + self.local])  # the others are let go
         self.dropout = moe.dropout
-        self._moe = [moe]  # a list: the serial layer's other experts must not register here
+        self.aux: dict[str, torch.Tensor] = {}  # auxiliary losses of the last forward, on this rank's tokens
+        self.stats: dict[str, Any] = {}  # assignments per expert (routed, kept), dropped: this rank's tokens
         self.last_traffic: dict[str, int] = {}
-
-    @property
-    def aux(self) -> dict[str, torch.Tensor]:
-        """The auxiliary losses of the last forward, on this rank's tokens."""
-        return self._moe[0].aux
-
-    @property
-    def stats(self) -> dict:
-        """Assignments per expert (routed, kept) and dropped, of this rank's tokens in the last forward."""
-        return self._moe[0].stats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(..., C)``: this rank's tokens -> the gated sum of their experts' outputs, same shape."""
         flat = x.reshape(-1, x.shape[-1])
-        _, a = self.route(flat)
+        a, self.aux, self.stats = route_tokens(self.router, flat, self.capacity_factor)
         ep, n_loc = self.g.size, self.local
         recv_counts = exchange_counts(a.per_expert, self.g)  # (ep, E/ep)
         send_splits = a.per_expert.view(ep, n_loc).sum(1).tolist()
