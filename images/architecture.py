@@ -43,6 +43,7 @@ GIST = {
     "pipeline": "schedules, executor,\nsimulator, 2BW",
     "zero": "ZeRO-1/2/3,\noffload",
     "context_parallel": "ring attention,\nzig-zag, Ulysses",
+    "expert_parallel": "MoE router, capacity,\nexperts by all-to-all",
     "recipes": "training recipes\non the harness",
     "plot": "the figures",
     "bench": "side-by-side\nbenchmarks",

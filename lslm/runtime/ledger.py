@@ -266,12 +266,18 @@ class Comm:
         return self._collective("scatter", tensor, _nbytes(tensor) * dist.get_world_size(group), group, label,
                                 dist.scatter, tensor, scatter_list, src=src, group=group, async_op=async_op)
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, group: Any = None,
-                          async_op: bool = False, label: str = "") -> Any:
-        """Equal-split all-to-all: chunk j of ``input`` goes to rank j, which stores it as chunk ``rank``."""
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+                          input_split_sizes: list[int] | None = None, group: Any = None, async_op: bool = False,
+                          label: str = "") -> Any:
+        """All-to-all: chunk j of ``input`` goes to rank j, which stores it as chunk ``rank``.
+
+        Equal chunks by default; uneven ones with ``input_split_sizes`` / ``output_split_sizes``
+        (rows of dim 0 per rank, as in torch). Recorded bytes: the whole ``input`` this rank hands
+        over (the chunk it keeps included), as for the equal split.
+        """
         self._contig(output, input)
         return self._collective("all_to_all", input, _nbytes(input), group, label, dist.all_to_all_single, output,
-                                input, group=group, async_op=async_op)
+                                input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
     def barrier(self, group: Any = None, label: str = "") -> None:
         """Block until every rank of ``group`` arrives (recorded with 0 bytes; completion on the host clock)."""
