@@ -60,7 +60,7 @@ def _piece_values(zero: ZeroOptimizer) -> list[tuple[torch.Tensor, dict[str, Any
     """Per piece: its fp32 master and optimizer state (tensors of the piece's shape are sliceable; scalars are
     copied as they are), read from the files under disk offload."""
     if zero.disk is not None:
-        return zero.disk.read_all()
+        return zero.disk.read_all(zero.optimizer.state if zero.optimizer is not None else {})
     out = []
     for m in zero.masters:
         state = zero.optimizer.state.get(m, {}) if zero.optimizer is not None else {}

@@ -59,7 +59,7 @@ from lslm.data_parallel.grad_sync import attach_grad_buffers
 from lslm.models.deferred_init import is_meta, serial_leaves
 from lslm.precision.scaler import DynamicLossScaler
 from lslm.runtime.context import ParallelContext
-from lslm.zero.disk import DiskStates
+from lslm.zero.disk import DiskStates, elementwise_state_keys
 from lslm.zero.layout import ShardLayout, shard_layout, unit_layout
 
 __all__ = ["GATHER_LABEL", "NORM_LABEL", "OFFLOADS", "REDUCE_SCATTER_LABEL", "STAGES", "ZeroOptimizer"]
@@ -202,10 +202,15 @@ class ZeroOptimizer:
         # (lslm.models.deferred_init) when the model is on the meta device: the whole model never exists here.
         values = _owned_values(model, self.params, self.layout, init_seed) if meta else [
             self.params[pc.param].detach().reshape(-1)[pc.start:pc.stop] for pc in self.layout.pieces]
-        if half or offload:
+        # Disk offload: the masters' values go straight from here to the files (lslm.zero.disk); the masters
+        # themselves stay empty, so the whole slice of fp32 states never sits in memory at once.
+        disk_values = values if offload == "disk" else None
+        if offload == "disk":
+            masters = [torch.empty(0, dtype=torch.float32, device=self.host) for _ in values]
+        elif half or offload:
             masters = [self._on_host(v.clone()) for v in values]
-            if half:
-                model.to(dtype)
+        if half:
+            model.to(dtype)
         self._shard_base = [0]
         for lo, hi in self.layout.shards:
             self._shard_base.append(self._shard_base[-1] + hi - lo)
@@ -234,8 +239,10 @@ class ZeroOptimizer:
         if not half and not offload:  # the fp32 parameters' own slice is what the optimizer updates: no copy at all
             masters = owned
         # ZeRO-Offload: the gradient slices come down into these host buffers for the step on the host.
+        # (Disk offload brings them down chunk by chunk into its own buffers instead: no full-size copy.)
         self._host_grads = [self._on_host(torch.empty(pc.numel, dtype=torch.float32, device=self.host))
-                            for pc in self.layout.pieces] if offload else []
+                            for pc in self.layout.pieces] if offload == "cpu" else []
+        self._clip_coef: torch.Tensor | None = None
         self._owned = owned
         self.masters = masters
         self._grads_fp32 = grad_dtype == torch.float32
@@ -254,8 +261,15 @@ class ZeroOptimizer:
         #: ZeRO-Infinity-style: masters and states in files under offload_dir (one folder per rank), or None.
         self.disk: DiskStates | None = None
         if offload == "disk":
+            keys: dict[int, list[tuple[str, torch.dtype]]] = {}
+            for g in self.optimizer.param_groups if self.optimizer is not None else []:
+                settings = {k: v for k, v in g.items() if k != "params"}
+                found = elementwise_state_keys(type(optimizer), settings, defaults)
+                keys.update({id(m): found for m in g["params"]})
             self.disk = DiskStates(Path(offload_dir) / f"rank{self.rank:05d}-of-{self.world:05d}", masters,
-                                   cap_bytes(disk_chunk_mb))
+                                   cap_bytes(disk_chunk_mb), keys=[keys.get(id(m), []) for m in masters],
+                                   values=disk_values, pin=self.device.type == "cuda")
+        del disk_values
         # Stages 2-3: gradients leave autograd bucket by bucket during backward (see _on_grad).
         self._hooks: list[Any] = []
         if stage >= 2:
@@ -333,6 +347,8 @@ class ZeroOptimizer:
             owned.setdefault("main_grads", []).extend(self._host_grads)
         if self.stage == 3:  # the parameters' persistent storage is this slice; gathered units are transient
             owned["parameters"] = [self.param_shard, *self._gathered.values()]
+        if self.disk is not None:  # the chunk buffers the states stream through: all they ever occupy in memory
+            owned["optimizer_states"] = list(self.disk.slots)
         return owned
 
     # -- backward -----------------------------------------------------------------------------------
@@ -484,12 +500,15 @@ class ZeroOptimizer:
         return self._slices
 
     def _attach_master_grads(self) -> None:
+        if self.disk is not None:  # gradients go down chunk by chunk, into the disk buffers (_step_chunk)
+            self.offload_bytes["to_host"] = 4 * sum(g.numel() for g in self._piece_grads)
+            self._grad_list = []
+            return
         if self.offload:  # gradients down: this rank's slice only, fp32, into the host buffers
             nonblocking = self.device.type == "cuda"
             for m, g, host in zip(self.masters, self._piece_grads, self._host_grads):
                 host.copy_(g, non_blocking=nonblocking)
-                if self.disk is None:  # from disk, a master is attached when its chunk is in memory
-                    m.grad = host
+                m.grad = host
             self.offload_bytes["to_host"] = sum(h.numel() * 4 for h in self._host_grads)
             self._grad_list = list(self._host_grads)
             return
@@ -508,6 +527,7 @@ class ZeroOptimizer:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in self._grad_list:
             g.mul_(coef.to(g.device))
+        self._clip_coef = coef  # disk offload applies it as each chunk's gradients come down
         return total[0]
 
     def step(self, max_grad_norm: float | None = None, *, clip: Callable[..., Any] | None = None) -> bool:
@@ -520,6 +540,7 @@ class ZeroOptimizer:
         if clip is not None:
             raise ValueError("ZeroOptimizer computes the global norm over its slices itself; pass max_grad_norm only")
         slices = self._reduce_scatter()
+        self._clip_coef = None
         stepped = True
         if self.scaler is not None:
             stepped = not self.scaler.has_overflow(slices)
@@ -540,8 +561,11 @@ class ZeroOptimizer:
 
     def _step_chunk(self, chunk: list[int]) -> None:
         """Disk offload: step the pieces of one chunk (the only masters with a gradient now), send their weights up."""
-        for i in chunk:
-            self.masters[i].grad = self._host_grads[i]
+        for i in chunk:  # the slot's gradient buffer: this piece's fp32 gradient (down from the device), clipped
+            grad = self.masters[i].grad
+            grad.copy_(self._piece_grads[i])
+            if self._clip_coef is not None:
+                grad.mul_(self._clip_coef.to(grad.device))
         if self.optimizer is not None:
             self.optimizer.step()
         with torch.no_grad():
