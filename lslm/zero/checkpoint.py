@@ -157,13 +157,13 @@ def _read_shard(folder: Path, record: Mapping[str, Any]) -> dict[str, Any]:
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
-def _check_model(zero: ZeroOptimizer, manifest: Mapping[str, Any]) -> None:
+def _check_model(zero: ZeroOptimizer, manifest: Mapping[str, Any], path: Path) -> None:
     saved = [(p["name"], list(p["shape"])) for p in manifest["params"]]
     here = list(zip(_names(zero), _shapes(zero)))
     if sorted(saved) != sorted(here):
         diff = sorted(set(map(str, saved)) ^ set(map(str, here)))
-        raise ValueError(f"the checkpoint holds another model: {len(saved)} parameters there, {len(here)} here; first "
-                         f"difference {diff[0] if diff else '(order)'}")
+        raise ValueError(f"the checkpoint {path} holds another model: {len(saved)} parameters there, {len(here)} here; "
+                         f"first difference {diff[0] if diff else '(order)'}")
 
 
 @torch.no_grad()
@@ -178,7 +178,7 @@ def load_zero(zero: ZeroOptimizer, folder: str | Path) -> dict[str, Any]:
     """
     folder = Path(folder)
     manifest = read_manifest(folder)
-    _check_model(zero, manifest)
+    _check_model(zero, manifest, folder / MANIFEST)
     names = _names(zero)
     mine = [(names[pc.param], pc.start, pc.stop) for pc in zero.layout.pieces]
     needed = [rec for rec in manifest["shards"]

@@ -59,7 +59,7 @@ from lslm.data_parallel.grad_sync import attach_grad_buffers
 from lslm.models.deferred_init import is_meta, serial_leaves
 from lslm.precision.scaler import DynamicLossScaler
 from lslm.runtime.context import ParallelContext
-from lslm.zero.disk import DiskStates, elementwise_state_keys
+from lslm.zero.disk import DiskStates, check_writable, elementwise_state_keys
 from lslm.zero.layout import ShardLayout, shard_layout, unit_layout
 
 __all__ = ["GATHER_LABEL", "NORM_LABEL", "OFFLOADS", "REDUCE_SCATTER_LABEL", "STAGES", "ZeroOptimizer"]
@@ -114,8 +114,9 @@ class ZeroOptimizer:
                  reshard_after_forward: bool = True, offload: str | None = None,
                  offload_dir: str | Path | None = None, disk_chunk_mb: float = 16.0,
                  init_seed: int | None = None) -> None:
-        if stage not in STAGES:
-            raise ValueError(f"ZeRO stage {stage!r} is not implemented here; choose one of {STAGES}")
+        if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
+            hint = " (stage 0 is plain data parallelism: use lslm.data_parallel's DDP)" if stage == 0 else ""
+            raise ValueError(f"ZeRO stage {stage!r} is not implemented here; choose one of {STAGES}{hint}")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype}")
         if ctx.tp_size > 1 or ctx.pp_size > 1:
@@ -146,6 +147,8 @@ class ZeroOptimizer:
             raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
         if offload == "disk" and offload_dir is None:
             raise ValueError("offload='disk' needs offload_dir, a writable folder on a local disk for the states")
+        if offload == "disk":
+            check_writable(offload_dir)  # before anything changes
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
             raise ValueError(f"max_inflight must be an int >= 1 (buckets reduced at once), got {max_inflight!r}")
         self.model, self.ctx, self.stage, self.dtype, self.scaler = model, ctx, stage, dtype, scaler
