@@ -105,8 +105,7 @@ def save_zero(zero: ZeroOptimizer, folder: str | Path, *, step: int, extra: Mapp
             raise OSError(f"could not write {folder / name}: {error}") from error
         raise OSError(f"another rank could not write its shard into {folder}; no manifest written, so the previous "
                       "checkpoint stays the last complete one")
-    records: list[Any] = [None] * zero.world
-    torch.distributed.all_gather_object(records, record, group=zero.group)
+    records = zero.ctx.comm.all_gather_object(record, group=zero.group, label="zero checkpoint")
     if zero.rank == 0:
         manifest = {"format": FORMAT, "world": zero.world, "stage": zero.stage, "dtype": str(zero.dtype),
                     "step": int(step), "extra": dict(extra or {}),
