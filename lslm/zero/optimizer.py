@@ -155,6 +155,11 @@ class ZeroOptimizer:
         self.max_inflight = max_inflight
         #: Stage 3: the most buckets whose full parameters existed at once (gathered or on their way); 0 below.
         self.max_buckets_gathered = 0
+        #: The most bytes that full (gathered or on their way) parameter buckets held at once (stage 3), and that
+        #: reduce-scatter staging buffers held at once (stages 2-3): the transient buffers beside the model states.
+        #: Running maxima; set them to 0 to measure from a given point.
+        self.peak_gathered_bytes = 0
+        self.peak_staging_bytes = 0
         if scaler is not None and scaler.comm is None:
             # Each rank checks only its slice: the overflow vote must span the group.
             scaler.comm, scaler.group = ctx.comm, ctx.group("dp")
@@ -405,6 +410,9 @@ class ZeroOptimizer:
         work = self.ctx.comm.reduce_scatter_tensor(out, staging, group=self.group, async_op=True,
                                                    label=REDUCE_SCATTER_LABEL)
         self._inflight.append((work, staging, out, target))
+        # The staging buffer, and a separate output where a later micro-batch adds into the slice.
+        staged = sum(st.nbytes + (o.nbytes if o is not tg else 0) for _, st, o, tg in self._inflight)
+        self.peak_staging_bytes = max(self.peak_staging_bytes, staged)
 
     @staticmethod
     def _settle(entry: tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
@@ -463,6 +471,8 @@ class ZeroOptimizer:
         work = self.ctx.comm.all_gather_into_tensor(full, shard, group=self.group, async_op=True, label=GATHER_LABEL)
         self._gathering[b] = (work, full)
         self.max_buckets_gathered = max(self.max_buckets_gathered, len(self._gathered) + len(self._gathering))
+        whole = sum(t.nbytes for t in self._gathered.values()) + sum(t.nbytes for _, t in self._gathering.values())
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, whole)
 
     def _ensure(self, b: int) -> None:
         """Bucket ``b``'s parameters hold their full values (gathered now, or a prefetch waited for)."""
