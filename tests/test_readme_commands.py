@@ -85,7 +85,7 @@ SMALLEST: dict[str, tuple[str | dict[str, str], str]] = {
                                                               "the table and the files written"),
     "python -m lslm.bench.init_memory": ("--quick --sizes 2", "an 8.4 M-parameter GPT at 1, 2 and 4 ranks takes a "
                                                               "minute; a tiny one at 2 shows the table and files"),
-    "python -m lslm.bench.zero_offload": ("--quick --steps 2", "a 26 M-parameter GPT three times takes minutes; "
+    "python -m lslm.bench.zero_offload": ("--quick --steps 2", "an 86.7 M-parameter GPT six times takes minutes; "
                                                                "a tiny one shows the table"),
     MULTI_NODE: ({"N": "2", "GPUS_PER_NODE": "1", "HOST_OF_NODE_0:29500": "127.0.0.1:{port}"},
                  "two 'nodes' on this machine: the line runs twice at once, one process each, "
