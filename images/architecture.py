@@ -41,6 +41,7 @@ GIST = {
     "tensor_parallel": "f/g, parallel layers,\napply_tensor_parallel",
     "pipeline": "schedules, executor,\nsimulator, 2BW",
     "zero": "ZeRO-1/2/3,\noffload",
+    "three_d": "TP inside PP stages,\nDP / ZeRO-1 across",
     "recipes": "training recipes\non the harness",
     "plot": "the figures",
     "bench": "side-by-side\nbenchmarks",

@@ -55,10 +55,11 @@ from torch import nn
 
 from lslm.data_parallel.buckets import cap_bytes, flat_layout
 from lslm.data_parallel.grad_buffer import GradBuffer, has_main_grad
-from lslm.data_parallel.grad_sync import attach_grad_buffers
+from lslm.data_parallel.grad_sync import attach_grad_buffers, grad_kind
 from lslm.models.deferred_init import is_meta, serial_leaves
 from lslm.precision.scaler import DynamicLossScaler
 from lslm.runtime.context import ParallelContext
+from lslm.tensor_parallel.clip import counts_in_norm
 from lslm.zero.disk import DiskStates
 from lslm.zero.layout import ShardLayout, shard_layout, unit_layout
 
@@ -118,9 +119,17 @@ class ZeroOptimizer:
             raise ValueError(f"ZeRO stage {stage!r} is not implemented here; choose one of {STAGES}")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype}")
-        if ctx.tp_size > 1 or ctx.pp_size > 1:
-            raise ValueError(f"ZeroOptimizer partitions over data parallelism only (tp={ctx.tp_size}, "
-                             f"pp={ctx.pp_size}): use a grid with tp = pp = 1")
+        if stage == 3 and (ctx.tp_size > 1 or ctx.pp_size > 1):
+            raise ValueError(f"ZeRO stage 3 gathers whole units around the model's own forward, which a pipeline "
+                             f"stage or a tensor-parallel layer does not run as one (tp={ctx.tp_size}, "
+                             f"pp={ctx.pp_size}): use stage 1 (or 2 without pipeline stages) there")
+        if stage == 2 and ctx.pp_size > 1:
+            raise ValueError(f"ZeRO stage 2 reduce-scatters gradients during backward, but a pipeline rank (pp="
+                             f"{ctx.pp_size}) must still sum its tied embedding's gradient with the other end after "
+                             f"the last micro-batch: use stage 1 with pipeline parallelism")
+        if ctx.cp_size > 1:
+            raise ValueError(f"cp={ctx.cp_size}: context-parallel ranks must also sum gradients; ZeroOptimizer "
+                             "reduces over dp only")
         if scaler is not None and dtype != torch.float16:
             raise ValueError("a loss scaler is for fp16 training; bf16 and fp32 need none")
         if optimizer.state:
@@ -128,6 +137,11 @@ class ZeroOptimizer:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no parameter that requires grad: nothing to optimise")
+        other_kinds = sorted({grad_kind(p) for p in params} - {"dp"})
+        if other_kinds:
+            raise ValueError(f"parameters whose gradients need a tensor-parallel sum first ({other_kinds}: "
+                             "sequence parallelism, replicated key/value heads) are not supported by ZeroOptimizer, "
+                             "which keeps one data-parallel buffer; turn sequence parallelism off")
         in_groups = [p for g in optimizer.param_groups for p in g["params"]]
         if {id(p) for p in in_groups} != {id(p) for p in params} or len(in_groups) != len(params):
             raise ValueError("optimizer must be built over exactly the model's trainable parameters, each once")
@@ -501,9 +515,19 @@ class ZeroOptimizer:
         # Each element of the model is in exactly one rank's slice: squared norms add over the group.
         # The padding is zero (never written: reduce-scatter of zeros), so it adds nothing.
         sq = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for s in slices:
-            sq += s.float().pow(2).sum()
-        self.ctx.comm.all_reduce(sq, group=self.group, label=NORM_LABEL)
+        ctx = self.ctx
+        if ctx.tp_size * ctx.pp_size == 1:
+            for s in slices:
+                sq += s.float().pow(2).sum()
+            self.ctx.comm.all_reduce(sq, group=self.group, label=NORM_LABEL)
+        else:
+            # With tensor and pipeline parallelism the model is also split over tp x pp: this rank's pieces of
+            # sharded parameters count, replicated ones on tp rank 0 only, a pipeline's tied copy on one end
+            # (lslm.tensor_parallel.clip.counts_in_norm); one all-reduce over dp x tp x pp completes the sum.
+            for pc, g in zip(self.layout.pieces, self._piece_grads):
+                if counts_in_norm(self.params[pc.param], ctx):
+                    sq += g.float().pow(2).sum()
+            self.ctx.comm.all_reduce(sq, group=ctx.group("dp", "tp", "pp"), label=NORM_LABEL)
         total = sq.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in self._grad_list:
