@@ -17,9 +17,10 @@ from lslm.runtime.layout import format_layout, rank_layout
 from lslm.three_d import ThreeDPlan, check_3d
 from tests.helpers import run_workers
 
-#: fp32, 3 steps of AdamW (lr 1e-3) against one process. Measured: |Δloss| <= 4.8e-7 (the losses' last bits:
-#: micro-batch means summed in another order), |Δparam| <= 4e-6 (Adam's near-sign first update on parameters
-#: whose gradient is near 0 turns a rounding of the gradient into up to ~lr x 1e-3), relative |Δnorm| <= 1e-7.
+#: fp32, 3 steps of AdamW (lr 1e-3) against one process. Measured over these cases: |Δloss| <= 4.8e-7 (the
+#: losses' last bits: micro-batch means summed in another order), |Δparam| <= 2.3e-6 (Adam's near-sign first
+#: update on parameters whose gradient is near 0 turns a rounding of the gradient into up to ~lr x 1e-3; 3.8e-6 on
+#: a 4-rank tp x pp grid), relative |Δnorm| <= 1.1e-7.
 #: A missing sequence-parallel sum moves them to 3e-3 / 6e-3 / 0.2, a tied copy counted twice in the norm to
 #: 4e-6 / 4e-5 / 0.12 (measured by removing each: tests that can fail).
 LOSS_ATOL, PARAM_ATOL, NORM_RTOL = 1e-5, 1e-5, 1e-5
