@@ -54,9 +54,11 @@ replayed leaf by leaf and this rank keeps only its tp shards of its pipeline sta
 :class:`~lslm.zero.optimizer.ZeroOptimizer` (stage 1 over ``ctx.group("dp")`` on this rank's stages'
 parameters): :meth:`ThreeDModel.step` then skips the executor's average and sums the tied
 embedding itself, and the optimizer reduce-scatters, clips over ``dp x tp x pp`` and all-gathers.
+Its one buffer holds the sequence-parallel parameters too; their sum over tp runs on their
+views before the step (:func:`~lslm.tensor_parallel.grads.sync_sequence_parallel_grads`).
 ZeRO-2 does not compose here: it reduce-scatters each bucket during the backward of every
-micro-batch, before the tied embedding's two ends could be summed, and its one-buffer layout
-has no room for the sequence-parallel sum over tp (ZeRO-1 refuses SP for the same reason).
+micro-batch, before the tied embedding's two ends (and the sequence-parallel parameters over
+tp) could be summed.
 """
 
 from __future__ import annotations
@@ -102,9 +104,6 @@ def check_3d(plan: ThreeDPlan, *, tp: int, pp: int, dp: int, n_layer: int, n_hea
     if plan.zero not in ZERO_STAGES:
         raise ValueError(f"zero={plan.zero!r}: 3D parallelism here runs ZeRO stages {ZERO_STAGES} (0 = plain "
                          "data-parallel averaging); stage 2 and 3 do not compose with pipeline stages (module doc)")
-    if plan.zero and plan.sequence_parallel and tp > 1:
-        raise ValueError("ZeRO-1 keeps one data-parallel gradient buffer, with no room for the sequence-parallel sum "
-                         "over tp: use zero=0 with sequence parallelism, or turn it off")
     if plan.pipeline.partition != "layers":
         raise ValueError(f"partition={plan.pipeline.partition!r}: with tensor parallelism the stages are cut by "
                          "equal blocks ('layers'), the same on every tp rank whatever its shards")

@@ -137,11 +137,12 @@ class ZeroOptimizer:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no parameter that requires grad: nothing to optimise")
-        other_kinds = sorted({grad_kind(p) for p in params} - {"dp"})
-        if other_kinds:
-            raise ValueError(f"parameters whose gradients need a tensor-parallel sum first ({other_kinds}: "
-                             "sequence parallelism, replicated key/value heads) are not supported by ZeroOptimizer, "
-                             "which keeps one data-parallel buffer; turn sequence parallelism off")
+        if any(grad_kind(p) == "kv-heads" for p in params):
+            raise ValueError("replicated key/value heads need a slot per head in a gradient buffer of their own; "
+                             "ZeroOptimizer keeps one layout: use tp <= the number of key/value heads")
+        if stage > 1 and any(grad_kind(p) == "sp" for p in params):
+            raise ValueError(f"ZeRO stage {stage} reduce-scatters gradients during backward, before the sequence-"
+                             "parallel sum over tp could run: use stage 1 with sequence parallelism")
         in_groups = [p for g in optimizer.param_groups for p in g["params"]]
         if {id(p) for p in in_groups} != {id(p) for p in params} or len(in_groups) != len(params):
             raise ValueError("optimizer must be built over exactly the model's trainable parameters, each once")
@@ -175,8 +176,9 @@ class ZeroOptimizer:
         self.grad_dtype = grad_dtype
         self.grad_buffer: GradBuffer | None = None
         if stage == 1:  # the whole gradient buffer on every rank (Megatron's distributed optimizer)
+            # One layout for every parameter: a sequence-parallel one's tp sum runs on its view before the step.
             buffers = attach_grad_buffers(params, ctx, dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb,
-                                          pad_to=self.world)
+                                          pad_to=self.world, one_kind="dp")
             assert len(buffers) == 1 and buffers[0].kind == "dp"
             gb = self.grad_buffer = buffers[0]
             self.params = list(gb.params)
