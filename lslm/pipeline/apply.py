@@ -276,7 +276,10 @@ def apply_pipeline(model: GPT, ctx: ParallelContext, plan: PipelinePlan, *, sche
     only this rank's stages are materialised, on ``ctx.device``, with exactly the serial weights
     (:func:`lslm.models.deferred_init.materialize_`); the other stages never take memory here.
     The ``"time"`` partition measures forwards, so it needs a model with weights. With tied weights
-    the last stage's rank materialises the head from the same serial draw as the embedding.
+    the last stage's rank materialises the head from the same serial draw as the embedding. A model
+    whose leaves this rank holds are already materialised (tensor parallelism applied from the meta
+    device to this rank's stages only, :mod:`lslm.three_d`) needs no ``init_seed``: the other
+    stages stay on the meta device.
     """
     meta = is_meta(model)
     if not meta and init_seed is not None:

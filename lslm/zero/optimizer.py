@@ -101,6 +101,12 @@ class ZeroOptimizer:
     optimizer states live in files under ``offload_dir`` and stream through host memory
     during the step in chunks of ``disk_chunk_mb`` (:mod:`lslm.zero.disk`).
 
+    With tensor and pipeline parallelism (``ctx`` with tp or pp > 1; stage 1, or stage 2 without
+    pipeline stages) it shards this rank's own parameters (its tp shards of its stages) over dp,
+    and the clipping norm spans dp x tp x pp, each replicated parameter and a pipeline's tied copy
+    counted once (:func:`lslm.tensor_parallel.clip.counts_in_norm`). Sequence-parallel parameters
+    share the one buffer: sum their gradients over tp before :meth:`step` (:mod:`lslm.three_d`).
+
     Interface of :class:`~lslm.precision.master.MixedPrecisionOptimizer`: ``zero_grad()``,
     ``scale_loss(loss)``, ``backward(loss)``, ``step(max_grad_norm) -> bool`` (False when an
     fp16 overflow skipped it), ``loss_scale``, ``param_groups``/``state`` (the inner
