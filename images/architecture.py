@@ -42,6 +42,7 @@ GIST = {
     "tensor_parallel": "f/g, parallel layers,\napply_tensor_parallel",
     "pipeline": "schedules, executor,\nsimulator, 2BW",
     "zero": "ZeRO-1/2/3,\noffload",
+    "three_d": "TP inside PP stages,\nDP / ZeRO-1 across",
     "context_parallel": "ring attention,\nzig-zag, Ulysses",
     "expert_parallel": "MoE router, capacity,\nexperts by all-to-all",
     "recipes": "training recipes\non the harness",

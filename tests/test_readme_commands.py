@@ -55,6 +55,7 @@ TP = "python -m lslm.recipes.tp --nproc 2 --tp 2 --sequence-parallel"
 PP = "python -m lslm.recipes.pipeline --nproc 2 --pp 2 --schedule 1f1b --microbatches 4"
 PRECISION = "python -m lslm.recipes.ddp --nproc 2 --precision fp16"
 ZERO = "python -m lslm.recipes.zero --nproc 2 --stage 2"
+THREE_D = "python -m lslm.recipes.three_d --nproc 4 --tp 2 --pp 2 --schedule 1f1b --sequence-parallel"
 MULTI_NODE = (".venv/bin/python -m torch.distributed.run --nnodes=N --nproc-per-node=GPUS_PER_NODE "
               "--rdzv-backend=c10d --rdzv-endpoint=HOST_OF_NODE_0:29500 --rdzv-id=myjob "
               "-m lslm.launcher.worker --target lslm.demos.smoke:worker --args-file args.json --result-dir results/")
@@ -74,6 +75,8 @@ SMALLEST: dict[str, tuple[str | dict[str, str], str]] = {
     PP: ("--steps 2", "30 pipeline-parallel steps: 2 show the launch, the schedule's traffic and the result"),
     PRECISION: ("--steps 2", "30 fp16 DDP steps: 2 show the half model, the loss scale and the result"),
     ZERO: ("--steps 2", "30 ZeRO-2 steps: 2 show the launch, the reduce-scatters and all-gathers, the result"),
+    THREE_D: ("--steps 2", "30 steps of TP+SP inside a 2-stage pipeline: 2 show the launch, the traffic per axis and "
+                           "the result"),
     "lslm bench collectives": ("--nprocs 2 --sizes-kib 4 --repeats 1",
                                "full sweep (4 KiB-64 MiB, 2 and 4 processes) takes minutes"),
     "lslm bench launch": ("--nprocs 1 --repeats 1", "5 repeats at 2 and 4 processes take a minute"),
@@ -297,7 +300,7 @@ def test_recipes_smallest(in_tmp: Path) -> None:
     out = _run(_argv(TRAIN), in_tmp)
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(json.loads((in_tmp / "runs" / "baseline.json").read_text())["losses"]) == 2
-    for command in (DDP, TORCHRUN_DDP, TP, PP, ZERO):
+    for command in (DDP, TORCHRUN_DDP, TP, PP, ZERO, THREE_D):
         out = _run(_argv(command), in_tmp)
         assert out.returncode == 0, f"{command}\n{out.stderr[-3000:]}"
 

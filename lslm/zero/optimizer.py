@@ -55,10 +55,11 @@ from torch import nn
 
 from lslm.data_parallel.buckets import cap_bytes, flat_layout
 from lslm.data_parallel.grad_buffer import GradBuffer, has_main_grad
-from lslm.data_parallel.grad_sync import attach_grad_buffers
+from lslm.data_parallel.grad_sync import attach_grad_buffers, grad_kind
 from lslm.models.deferred_init import is_meta, serial_leaves
 from lslm.precision.scaler import DynamicLossScaler
 from lslm.runtime.context import ParallelContext
+from lslm.tensor_parallel.clip import counts_in_norm
 from lslm.zero.disk import DiskStates, check_writable, elementwise_state_keys
 from lslm.zero.layout import ShardLayout, shard_layout, unit_layout
 
@@ -100,6 +101,12 @@ class ZeroOptimizer:
     optimizer states live in files under ``offload_dir`` and stream through host memory
     during the step in chunks of ``disk_chunk_mb`` (:mod:`lslm.zero.disk`).
 
+    With tensor and pipeline parallelism (``ctx`` with tp or pp > 1; stage 1, or stage 2 without
+    pipeline stages) it shards this rank's own parameters (its tp shards of its stages) over dp,
+    and the clipping norm spans dp x tp x pp, each replicated parameter and a pipeline's tied copy
+    counted once (:func:`lslm.tensor_parallel.clip.counts_in_norm`). Sequence-parallel parameters
+    share the one buffer: sum their gradients over tp before :meth:`step` (:mod:`lslm.three_d`).
+
     Interface of :class:`~lslm.precision.master.MixedPrecisionOptimizer`: ``zero_grad()``,
     ``scale_loss(loss)``, ``backward(loss)``, ``step(max_grad_norm) -> bool`` (False when an
     fp16 overflow skipped it), ``loss_scale``, ``param_groups``/``state`` (the inner
@@ -119,9 +126,17 @@ class ZeroOptimizer:
             raise ValueError(f"ZeRO stage {stage!r} is not implemented here; choose one of {STAGES}{hint}")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype}")
-        if ctx.tp_size > 1 or ctx.pp_size > 1:
-            raise ValueError(f"ZeroOptimizer partitions over data parallelism only (tp={ctx.tp_size}, "
-                             f"pp={ctx.pp_size}): use a grid with tp = pp = 1")
+        if stage == 3 and (ctx.tp_size > 1 or ctx.pp_size > 1):
+            raise ValueError(f"ZeRO stage 3 gathers whole units around the model's own forward, which a pipeline "
+                             f"stage or a tensor-parallel layer does not run as one (tp={ctx.tp_size}, "
+                             f"pp={ctx.pp_size}): use stage 1 (or 2 without pipeline stages) there")
+        if stage == 2 and ctx.pp_size > 1:
+            raise ValueError(f"ZeRO stage 2 reduce-scatters gradients during backward, but a pipeline rank (pp="
+                             f"{ctx.pp_size}) must still sum its tied embedding's gradient with the other end after "
+                             f"the last micro-batch: use stage 1 with pipeline parallelism")
+        if ctx.cp_size > 1:
+            raise ValueError(f"cp={ctx.cp_size}: context-parallel ranks must also sum gradients; ZeroOptimizer "
+                             "reduces over dp only")
         if scaler is not None and dtype != torch.float16:
             raise ValueError("a loss scaler is for fp16 training; bf16 and fp32 need none")
         if optimizer.state:
@@ -129,6 +144,12 @@ class ZeroOptimizer:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no parameter that requires grad: nothing to optimise")
+        if any(grad_kind(p) == "kv-heads" for p in params):
+            raise ValueError("replicated key/value heads need a slot per head in a gradient buffer of their own; "
+                             "ZeroOptimizer keeps one layout: use tp <= the number of key/value heads")
+        if stage > 1 and any(grad_kind(p) == "sp" for p in params):
+            raise ValueError(f"ZeRO stage {stage} reduce-scatters gradients during backward, before the sequence-"
+                             "parallel sum over tp could run: use stage 1 with sequence parallelism")
         in_groups = [p for g in optimizer.param_groups for p in g["params"]]
         if {id(p) for p in in_groups} != {id(p) for p in params} or len(in_groups) != len(params):
             raise ValueError("optimizer must be built over exactly the model's trainable parameters, each once")
@@ -169,8 +190,9 @@ class ZeroOptimizer:
         self.grad_dtype = grad_dtype
         self.grad_buffer: GradBuffer | None = None
         if stage == 1:  # the whole gradient buffer on every rank (Megatron's distributed optimizer)
+            # One layout for every parameter: a sequence-parallel one's tp sum runs on its view before the step.
             buffers = attach_grad_buffers(params, ctx, dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb,
-                                          pad_to=self.world)
+                                          pad_to=self.world, one_kind="dp")
             assert len(buffers) == 1 and buffers[0].kind == "dp"
             gb = self.grad_buffer = buffers[0]
             self.params = list(gb.params)
@@ -533,9 +555,19 @@ class ZeroOptimizer:
         # Each element of the model is in exactly one rank's slice: squared norms add over the group.
         # The padding is zero (never written: reduce-scatter of zeros), so it adds nothing.
         sq = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for s in slices:
-            sq += s.float().pow(2).sum()
-        self.ctx.comm.all_reduce(sq, group=self.group, label=NORM_LABEL)
+        ctx = self.ctx
+        if ctx.tp_size * ctx.pp_size == 1:
+            for s in slices:
+                sq += s.float().pow(2).sum()
+            self.ctx.comm.all_reduce(sq, group=self.group, label=NORM_LABEL)
+        else:
+            # With tensor and pipeline parallelism the model is also split over tp x pp: this rank's pieces of
+            # sharded parameters count, replicated ones on tp rank 0 only, a pipeline's tied copy on one end
+            # (lslm.tensor_parallel.clip.counts_in_norm); one all-reduce over dp x tp x pp completes the sum.
+            for pc, g in zip(self.layout.pieces, self._piece_grads):
+                if counts_in_norm(self.params[pc.param], ctx):
+                    sq += g.float().pow(2).sum()
+            self.ctx.comm.all_reduce(sq, group=ctx.group("dp", "tp", "pp"), label=NORM_LABEL)
         total = sq.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in self._grad_list:
