@@ -27,8 +27,11 @@ __all__ = ["balance_worker", "phrase_batch", "train_moe"]
 
 def phrase_batch(vocab: int, batch: int, seq: int, step: int, rank: int, device: torch.device) -> torch.Tensor:
     """``(batch, seq)`` token ids: one of 8 fixed random phrases per row, chosen per (step, rank)."""
-    phrases = torch.randint(0, vocab, (8, seq), generator=torch.Generator().manual_seed(1234))
-    pick = torch.randint(0, 8, (batch,), generator=torch.Generator().manual_seed(1000 * step + rank))
+    # Drawn on the host from seeded CPU generators (the same ids on any device), then moved.
+    phrases = torch.randint(0, vocab, (8, seq),  # lslm: cpu-ok (seeded host draw, moved below)
+                            generator=torch.Generator().manual_seed(1234))
+    pick = torch.randint(0, 8, (batch,),  # lslm: cpu-ok (seeded host draw)
+                         generator=torch.Generator().manual_seed(1000 * step + rank))
     return phrases[pick].to(device)
 
 
