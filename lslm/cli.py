@@ -1,4 +1,5 @@
-"""The ``lslm`` command: ``lslm doctor`` checks a machine, ``lslm bench`` measures, ``lslm launch`` runs a worker."""
+"""The ``lslm`` command: ``lslm doctor`` checks a machine, ``lslm bench`` measures, ``lslm launch`` runs a worker,
+``lslm plan`` sizes a layout."""
 
 from __future__ import annotations
 
@@ -183,12 +184,13 @@ def _launch_command(ns: argparse.Namespace, parser: argparse.ArgumentParser, ext
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The ``lslm`` parser and its sub-command parsers by name (``doctor``, ``bench``, ``launch``)."""
+    """The ``lslm`` parser and its sub-command parsers by name (``doctor``, ``bench``, ``launch``, ``plan``)."""
     from lslm.bench import cli as bench_cli  # light: the benches themselves are imported when run
+    from lslm.plan import cli as plan_cli
 
     parser = argparse.ArgumentParser(prog="lslm", description="lslm: large-scale LM training, from scratch",
                                      epilog="run `lslm COMMAND --help` for a command's options and examples")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{doctor,bench,launch}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{doctor,bench,launch,plan}")
     p_doc = sub.add_parser("doctor", help="check versions, devices, backends and run a 2-process smoke job",
                            description="Print versions, devices and backends, run a small smoke job through "
                                        "lslm.launch, end with 'lslm doctor: OK' or 'lslm doctor: FAIL (...)'.")
@@ -199,7 +201,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                                          "table and writes NAME.txt, NAME.json and NAME.png.")
     bench_cli.add_arguments(p_bench)
     p_launch = _add_launch_parser(sub)
-    return parser, {"doctor": p_doc, "bench": p_bench, "launch": p_launch}
+    p_plan = sub.add_parser("plan", help="memory, communication and time of a layout (or --search for the best)",
+                            description="The lslm.plan calculator: per-device memory by owner, communication per "
+                                        "axis and time per step of a model on a layout, each number with its "
+                                        "formula; --search ranks the layouts that fit.",
+                            epilog=plan_cli.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan_cli.add_arguments(p_plan)
+    return parser, {"doctor": p_doc, "bench": p_bench, "launch": p_launch, "plan": p_plan}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         return bench_cli.run(ns, parser)
     if extra:
         commands[ns.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    if ns.command == "plan":
+        from lslm.plan import cli as plan_cli
+
+        return plan_cli.run(ns, commands["plan"])
     if ns.command == "doctor":
         if ns.nproc < 1:
             commands["doctor"].error(f"--nproc must be >= 1, got {ns.nproc}")

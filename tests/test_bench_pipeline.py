@@ -17,12 +17,13 @@ NAMES = [name for name, *_ in P.PAIRS]
 
 def test_bench_pipeline_quick_writes_table_json_png_and_the_ratio_line(tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    results = P.run((2,), (2, 4), quick=True, repeats=1, warmup=0, timeline_steps=1, out_dir=tmp_path, timeout=240)
+    results = P.run((2,), (2, 4), quick=True, repeats=1, warmup=0, out_dir=tmp_path, timeout=240)
     lines = capsys.readouterr().out.strip().splitlines()
     # Every pair at the largest m it ran at (DualPipeV needs m >= 2p = 4: skipped at m=2).
     entry = r"p=2 m=4 \d+\.\d\dx"
     want = ("lslm / torch pipelining step time: " + "; ".join(f"{re.escape(n)} {entry}" for n in NAMES)
-            + r" \| time model worst \|predicted - measured\| / measured at p=2: \d+\.\d% \(\S+ m=\d\)")
+            + r" \| time model worst \|predicted - measured\| / measured at p=2: \d+\.\d% \(\S+ m=\d\) with in-step "
+            r"message times, \d+\.\d% \(\S+ m=\d\) with the collectives' alpha-beta fit")
     assert re.fullmatch(want, lines[-1]), lines[-1]
     assert P.PAIR_NAMES == tuple(NAMES)  # the report's order is the bench's
     for suffix in ("txt", "json", "png"):
@@ -53,6 +54,11 @@ def test_bench_pipeline_quick_writes_table_json_png_and_the_ratio_line(tmp_path:
         # The time model: the simulator with each stage's measured costs and priced messages, beside the measured.
         assert r["message_bytes"] == msg and r["model_ms"] > 0
         assert r["model_error"] == pytest.approx((r["model_ms"] - r["lslm_ms"]) / r["lslm_ms"])
+        assert r["model_in_step_error"] == pytest.approx((r["model_in_step_ms"] - r["lslm_ms"]) / r["lslm_ms"])
+        # Both models are a simulated span plus the same measured time outside the schedule.
+        assert r["model_ms"] == pytest.approx(r["model_span_ms"] + r["outside_ms"])
+        assert r["model_in_step_ms"] == pytest.approx(r["model_span_in_step_ms"] + r["outside_ms"])
+        assert len(r["bubble_measured_all"]) == len(r["lslm_ms_all"])  # one recorded twin step per timed step
         assert sorted(map(int, r["stage_costs_ms"])) == list(range(2 * r["v"]))
         assert r["message_in_step_ms"] is not None and r["message_in_step_ms"] >= 0
         fit = res["p2p_fit"]
@@ -95,3 +101,19 @@ def test_message_time_inside_a_step_counts_from_both_ends_posted() -> None:
               Event(0, "F", 0, 0, 0.0, 1.0)]
     assert P.measured_message_s(Timeline(2, events)) == pytest.approx((0.5 + 0.25) / 2)
     assert P.measured_message_s(Timeline(2, events[-1:])) is None
+    assert P.in_step_messages_s([Timeline(2, events)] * 2) == pytest.approx([0.5, 0.25] * 2)
+
+
+def test_compute_overhead_is_the_median_gap_after_an_action() -> None:
+    from lslm.pipeline.timeline import Event
+
+    events = [Event(0, "F", 0, 0, 0.0, 1.0), Event(0, "SEND_F", 0, 0, 1.2, 1.3),  # 0.2 after F
+              Event(0, "F", 0, 1, 1.4, 2.0), Event(0, "B", 0, 1, 2.1, 3.0),  # 0.1 after F; B is rank 0's last
+              Event(1, "RECV_F", 1, 0, 0.0, 1.3), Event(1, "F", 1, 0, 1.3, 2.0), Event(1, "B", 1, 0, 2.4, 3.0)]
+    assert P.compute_overhead_s([Timeline(2, events)]) == pytest.approx(0.2)  # gaps 0.2, 0.1, 0.4
+    assert P.compute_overhead_s([Timeline(2, events[:1])]) == 0.0
+    from lslm.pipeline.schedules import build_schedule
+
+    s = build_schedule("gpipe", 2, 4)
+    even = {0: {"F": 1.0, "B": 2.0}, 1: {"F": 1.0, "B": 2.0}}
+    assert P.predict_step_s(s, even, 0.0, compute_overhead_s=0.5) == pytest.approx(15.0 + 9 * 0.5)

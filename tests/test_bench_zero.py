@@ -103,3 +103,8 @@ def test_the_offload_table_reads_its_rows() -> None:
                                             disk_read_bytes=6e6, disk_write_bytes=6e6)]
     text = table(rows)
     assert "none" in text and "0.50x" in text and "2.00x" in text and "12.0" in text
+    # Each allocator setting's rows are compared with its own run without offload.
+    other = [dict(r, allocator="mmap threshold 1 MiB", peak_rss_bytes=[1e8, 1e8]) for r in rows]
+    text = table([dict(r, allocator="glibc default") for r in rows] + other)
+    # the second setting's disk row: 1e8 against its own none (1.00x), not against the first setting's 3e8 (0.33x)
+    assert text.count(" 1.00x") == 5 and "0.33x" not in text and "0.50x" in text

@@ -7,6 +7,10 @@ images/) from this interpreter's environment, with a token on a free port. One b
 * opens Lab's start page, which must land on notebooks/;
 * opens every notebook in notebooks/ and waits for its kernel: every <img> (the ../images diagrams and the
   saved figures) must have loaded, no widget may show an error, and the notebook must not turn "modified";
+* in notebook 09, runs the cell that shows the calculator widget (the normaliser drops saved widget state, so the
+  widget exists only once its cell runs), waits for it to render, then changes its ZeRO stage (a dropdown) and its
+  number of layers (a slider, through the slider's editable readout) and records the per-device total it reads
+  after each change;
 * runs, through the UI (a click in the cell, then Shift+Enter), the one cell of a scratch notebook that
   launches a 2-process job with ``lslm.launch`` and prints what the ranks returned;
 * counts the toasts asking to opt into Jupyter news (none: the course's Lab defaults answer it).
@@ -72,6 +76,8 @@ class Visit:
     news_prompts: int = -1  # toasts asking "get notified about official Jupyter news?" seen at the end
     http_errors: list[str] = field(default_factory=list)
     log: list[str] = field(default_factory=list)
+    calculator: list[str] = field(default_factory=list)  # notebook 09's widget readout: shown, after each change
+    calculator_text: str = ""  # notebook 09's text once the widget cell ran (for widget errors)
     phase: str = ""  # what the browser was doing (named when it fails)
     seconds: dict[str, float] = field(default_factory=dict)  # wall time of each phase, for the test's report
 
@@ -160,6 +166,46 @@ def _open_notebook(page: Any, path: str, n_images: int, timeout_s: float = 60) -
     return {**page.evaluate(_JS_STATE), "images": images, "expected_images": n_images}
 
 
+CALCULATOR_NOTEBOOK = "09_3d_parallelism.ipynb"
+CALCULATOR_CELL = "calc = plan_calculator("  # the code cell that shows the widget
+_JS_RUN_CELL = """async (marker) => { const nb = window.jupyterapp.shell.currentWidget.content;
+  const i = nb.widgets.findIndex(c => c.model.type === 'code' && c.model.sharedModel.getSource().includes(marker));
+  if (i < 0) { return i; }
+  nb.activeCellIndex = i;
+  await nb.scrollToCell(nb.widgets[i]);
+  await window.jupyterapp.commands.execute('notebook:run-cell');
+  return i; }"""
+
+
+def _read_changed(page: Any, selector: str, before: str, timeout_s: float = 60) -> str:
+    """Wait until the element at ``selector`` shows text other than ``before``; return it."""
+    page.wait_for_function("([sel, old]) => { const e = document.querySelector(sel); "
+                           "return !!e && e.innerText.includes('per device:') && e.innerText !== old; }",
+                           arg=[selector, before], timeout=timeout_s * 1000, polling=POLL_MS)
+    return page.locator(selector).inner_text()
+
+
+def _drive_calculator(page: Any, visit: Visit) -> None:
+    """Run notebook 09's calculator cell, then change a dropdown and a slider; record the readout each time."""
+    panel = ".jp-NotebookPanel:not(.lm-mod-hidden)"
+    root = f"{panel} .lslm-plan-calculator"
+    readout = f"{root} .lslm-plan-readout"
+    index = page.evaluate(_JS_RUN_CELL, CALCULATOR_CELL)
+    assert index >= 0, f"no code cell containing {CALCULATOR_CELL!r} in {CALCULATOR_NOTEBOOK}"
+    visit.calculator.append(_read_changed(page, readout, "", timeout_s=120))
+    zero = page.locator(f"{root} .widget-dropdown").filter(has_text="ZeRO stage").locator("select")
+    current = zero.evaluate("s => s.options[s.selectedIndex].text")
+    zero.select_option(label="3" if current != "3" else "0")
+    visit.calculator.append(_read_changed(page, readout, visit.calculator[-1]))
+    layers = page.locator(f"{root} .widget-slider").filter(has_text="layers L").locator(".widget-readout")
+    layers.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.type("16")
+    page.keyboard.press("Enter")
+    visit.calculator.append(_read_changed(page, readout, visit.calculator[-1]))
+    visit.calculator_text = page.evaluate(_JS_STATE)["text"]
+
+
 def _browse(page: Any, base: str, token: str, tree: Path, visit: Visit, proc: subprocess.Popen[str]) -> None:
     """What a learner does after `make lab`: open Lab, every notebook, then run the scratch notebook's cell."""
     t = time.perf_counter()
@@ -184,6 +230,9 @@ def _browse(page: Any, base: str, token: str, tree: Path, visit: Visit, proc: su
         visit.phase = f"opening notebooks/{nb_path.name}"
         visit.notebooks[nb_path.name] = _open_notebook(
             page, f"notebooks/{nb_path.name}", expected_images(json.loads(nb_path.read_text())))
+        if nb_path.name == CALCULATOR_NOTEBOOK:  # after its state was recorded: running a cell changes it
+            visit.phase = f"running the calculator widget of notebooks/{nb_path.name}"
+            _drive_calculator(page, visit)
         t = visit.lap(nb_path.name, t)
     visit.phase = f"running the cell of notebooks/{SCRATCH}"
     _open_notebook(page, f"notebooks/{SCRATCH}", 0)
@@ -250,6 +299,16 @@ def test_no_widget_error_and_no_notebook_opens_modified(lab_visit: Visit) -> Non
         assert not errors, f"{name} shows {errors}"
         assert not seen["dirty"], (f"{name} turned 'modified' on opening (its metadata differs from what the kernel "
                                    "reports): run scripts/normalize_notebooks.py on it")
+
+
+def test_the_calculator_widget_renders_and_follows_its_controls(lab_visit: Visit) -> None:
+    """Notebook 09's widget rendered (no widget error) and its per-device total changed with each control."""
+    shown, after_dropdown, after_slider = lab_visit.calculator
+    totals = [re.search(r"per device: ([\d.]+) GB", text) for text in lab_visit.calculator]
+    assert all(totals), lab_visit.calculator
+    assert len({m.group(1) for m in totals}) == 3, lab_visit.calculator  # each change moved the bar's total
+    errors = [e for e in WIDGET_ERRORS if e in lab_visit.calculator_text]
+    assert not errors, f"{CALCULATOR_NOTEBOOK} shows {errors} once the widget cell ran"
 
 
 def test_a_cell_run_in_the_browser_launches_two_processes(lab_visit: Visit) -> None:

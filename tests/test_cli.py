@@ -192,3 +192,48 @@ def test_bench_pipeline_width_and_batch_reach_the_bench(monkeypatch) -> None:
     assert seen["model"] == dict(pipeline.BENCH_MODEL, n_embd=256)
     main(["bench", "pipeline", "--nprocs", "2"])
     assert seen["model"] is None and seen["batch"] is None  # the bench's own defaults
+
+
+# -- lslm plan ---------------------------------------------------------------------------------------
+def test_plan_prints_the_traced_table_and_searches(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "gpt3-175b", "--devices", "1024", "--tp", "8", "--pp", "8", "--zero", "1",
+                 "--sp", "--recompute", "selective"]) == 0
+    out = capsys.readouterr().out
+    assert "dp 16 x tp 8 x pp 8, ZeRO-1, SP, recompute selective" in out  # dp derived from --devices
+    for section in ("-- parameters", "-- memory", "-- communication", "-- time", "-- roofline"):
+        assert section in out, section
+    assert "Korthikanti" in out and "ZeRO §5.4" in out  # every number names its source
+    assert "link 450 GB/s, alpha 5 µs" in out  # the preset's NVLink for tp
+    main(["plan", "--model", "gpt3-175b", "--devices", "1024", "--tp", "8", "--pp", "8", "--intra-gbps", "100",
+          "--intra-alpha-us", "2"])
+    assert "link 100 GB/s, alpha 2 µs" in capsys.readouterr().out
+    assert main(["plan", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "1000", "--seq", "128",
+                 "--global-batch", "16", "--devices", "4", "--search", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "the 2 fastest layouts that fit" in out and "  1. dp " in out and "  2. dp " in out
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "examples:" in text and "lslm plan --model llama3-8b --devices 8 --search --flash" in text
+    for option in ("--model", "--hardware", "--peak-tflops", "--devices", "--zero", "--sp", "--recompute",
+                   "--search", "--flash"):
+        assert option in text, option
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["plan", "--model", "gpt3-175b", "--devices", "1024", "--tp", "3"], "not a multiple of tp x pp x cp = 3"),
+    (["plan", "--model", "gpt3-175b", "--dp", "2", "--tp", "5"], "heads must split evenly over tp=5"),
+    (["plan", "--model", "gpt3-175b", "--dp", "2", "--devices", "8"], "= 2 devices, but 8 were given"),
+    (["plan", "--layers", "4"], "give --model PRESET or the model's shape: missing --hidden --heads --vocab --seq"),
+    (["plan", "--model", "llama3-8b", "--search"], "--search needs --devices"),
+    (["plan", "--model", "gpt2-small", "--sp"], "needs tp > 1"),
+    (["plan", "--model", "gpt2-small", "--hardware", "cpu-box"], "no compute rate for bf16"),
+    (["plan", "--model", "gpt2-small", "--zero", "4"], "argument --zero: invalid choice"),
+    (["plan", "--model", "gpt2-small", "--inter-gbps", "0"], "Link.bandwidth_Bps must be > 0"),
+])
+def test_plan_refuses_bad_input_with_what_to_change(argv: list[str], message: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    err = _error(argv, capsys)
+    assert message in err, err
+    assert err.startswith("usage: lslm plan")

@@ -390,3 +390,16 @@ def test_the_ledger_bench_times_every_variant_and_counts_the_disabled_calls() ->
     assert VARIANTS == ("torch", "disabled", "enabled", "timed")
     assert set(row) == {f"{v}_us" for v in VARIANTS} | {f"{v}_overhead_us" for v in VARIANTS[1:]} | {"dropped"}
     assert row["dropped"] == 3 + 2 * 4  # warm-up calls, then rounds x calls: nothing recorded, all counted
+
+
+def test_all_gather_object_goes_through_the_ledger_with_its_bytes() -> None:
+    """Objects of different sizes on 3 ranks: each rank gets all of them, in rank order; the ledger holds torch's two
+    all-gathers (the sizes as int64, then the pickles padded to the longest)."""
+    from tests.helpers import run_workers
+
+    res = run_workers("tests.workers:gather_objects", 3, timeout=120)
+    want = [{"rank": r, "payload": "x" * (10 * r)} for r in range(3)]
+    for r in res:
+        assert r["got"] == want
+        assert r["ops"] == ["all_gather", "all_gather"]
+        assert r["nbytes"] == [3 * 8, 3 * max(r["pickled"])]

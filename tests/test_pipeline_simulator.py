@@ -225,3 +225,15 @@ def test_stage_costs_make_the_slowest_stage_set_the_pace() -> None:
     slow = simulate(sched, costs={"F": f0, "B": b0}, stage_costs={1: {"F": f1, "B": b1}})
     assert slow.timeline.makespan() == f0 + m * (f1 + b1) + b0
     assert slow.timeline.busy(1) == m * (f1 + b1) and slow.timeline.busy(0) == m * (f0 + b0)
+
+
+def test_compute_overhead_is_a_ranks_own_time_after_each_action() -> None:
+    """``compute_overhead`` adds a rank's own time after each compute action (an executor's bookkeeping)."""
+    sched = build_schedule("gpipe", 2, 4)
+    base = simulate(sched).timeline.makespan()  # (m + p - 1)(F + B) = 15
+    assert base == 15.0
+    # GPipe's critical path: rank 0's F0, rank 1's four F and four B, rank 0's last B; an overhead follows each
+    # but the last (it ends the step): 9 of them.
+    assert simulate(sched, compute_overhead=0.5).timeline.makespan() == base + 9 * 0.5
+    with pytest.raises(ValueError, match="compute_overhead must be a number >= 0"):
+        simulate(sched, compute_overhead=-1.0)

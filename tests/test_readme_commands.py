@@ -55,12 +55,16 @@ TP = "python -m lslm.recipes.tp --nproc 2 --tp 2 --sequence-parallel"
 PP = "python -m lslm.recipes.pipeline --nproc 2 --pp 2 --schedule 1f1b --microbatches 4"
 PRECISION = "python -m lslm.recipes.ddp --nproc 2 --precision fp16"
 ZERO = "python -m lslm.recipes.zero --nproc 2 --stage 2"
+THREE_D = "python -m lslm.recipes.three_d --nproc 4 --tp 2 --pp 2 --schedule 1f1b --sequence-parallel"
 MULTI_NODE = (".venv/bin/python -m torch.distributed.run --nnodes=N --nproc-per-node=GPUS_PER_NODE "
               "--rdzv-backend=c10d --rdzv-endpoint=HOST_OF_NODE_0:29500 --rdzv-id=myjob "
               "-m lslm.launcher.worker --target lslm.demos.smoke:worker --args-file args.json --result-dir results/")
 
+PLAN = "lslm plan --model gpt3-175b --devices 1024 --tp 8 --pp 8 --zero 1 --sp --recompute selective"
+PLAN_SEARCH = "lslm plan --model llama3-8b --devices 8 --search --flash"
+
 #: run exactly as written
-AS_WRITTEN = {LAUNCH_SMOKE, "lslm launch --help", "lslm bench ddp --help"}
+AS_WRITTEN = {LAUNCH_SMOKE, "lslm launch --help", "lslm bench ddp --help", PLAN, PLAN_SEARCH}
 
 #: README command -> (options appended, or {placeholder: value}); why this is the smallest meaningful run
 SMALLEST: dict[str, tuple[str | dict[str, str], str]] = {
@@ -71,6 +75,8 @@ SMALLEST: dict[str, tuple[str | dict[str, str], str]] = {
     PP: ("--steps 2", "30 pipeline-parallel steps: 2 show the launch, the schedule's traffic and the result"),
     PRECISION: ("--steps 2", "30 fp16 DDP steps: 2 show the half model, the loss scale and the result"),
     ZERO: ("--steps 2", "30 ZeRO-2 steps: 2 show the launch, the reduce-scatters and all-gathers, the result"),
+    THREE_D: ("--steps 2", "30 steps of TP+SP inside a 2-stage pipeline: 2 show the launch, the traffic per axis and "
+                           "the result"),
     "lslm bench collectives": ("--nprocs 2 --sizes-kib 4 --repeats 1",
                                "full sweep (4 KiB-64 MiB, 2 and 4 processes) takes minutes"),
     "lslm bench launch": ("--nprocs 1 --repeats 1", "5 repeats at 2 and 4 processes take a minute"),
@@ -82,7 +88,7 @@ SMALLEST: dict[str, tuple[str | dict[str, str], str]] = {
                                                               "the table and the files written"),
     "python -m lslm.bench.init_memory": ("--quick --sizes 2", "an 8.4 M-parameter GPT at 1, 2 and 4 ranks takes a "
                                                               "minute; a tiny one at 2 shows the table and files"),
-    "python -m lslm.bench.zero_offload": ("--quick --steps 2", "a 26 M-parameter GPT three times takes minutes; "
+    "python -m lslm.bench.zero_offload": ("--quick --steps 2", "an 86.7 M-parameter GPT six times takes minutes; "
                                                                "a tiny one shows the table"),
     MULTI_NODE: ({"N": "2", "GPUS_PER_NODE": "1", "HOST_OF_NODE_0:29500": "127.0.0.1:{port}"},
                  "two 'nodes' on this machine: the line runs twice at once, one process each, "
@@ -273,6 +279,13 @@ def test_help_commands_as_written(in_tmp: Path) -> None:
     assert "--repeats" not in out and "--sizes-kib" not in out  # only ddp's own options
 
 
+def test_plan_commands_as_written(in_tmp: Path) -> None:
+    rc, out = _run_lslm(shlex.split(PLAN))
+    assert rc == 0 and "-- roofline" in out, out
+    rc, out = _run_lslm(shlex.split(PLAN_SEARCH))
+    assert rc == 0 and "fastest layouts that fit" in out, out
+
+
 def test_python_block(in_tmp: Path) -> None:
     (code,) = [body for lang, body in fenced_blocks(README.read_text()) if lang == "python"]
     for old, (new, _why) in PYTHON_SUBSTITUTION.items():
@@ -287,7 +300,7 @@ def test_recipes_smallest(in_tmp: Path) -> None:
     out = _run(_argv(TRAIN), in_tmp)
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(json.loads((in_tmp / "runs" / "baseline.json").read_text())["losses"]) == 2
-    for command in (DDP, TORCHRUN_DDP, TP, PP, ZERO):
+    for command in (DDP, TORCHRUN_DDP, TP, PP, ZERO, THREE_D):
         out = _run(_argv(command), in_tmp)
         assert out.returncode == 0, f"{command}\n{out.stderr[-3000:]}"
 

@@ -88,3 +88,28 @@ def test_a_killed_job_resumes_from_its_last_complete_checkpoint_at_another_size(
     resumed = R.run(3, output="none", timeout=300, resume=True, **common)
     assert resumed[0]["first_step"] == 2
     assert resumed[0]["losses"] == pytest.approx(whole[0]["losses"][2:], rel=RTOL)
+
+
+def test_under_torchrun_stage3_gives_the_launched_runs_losses(tmp_path, baseline: list[float]) -> None:
+    """``torchrun --nproc-per-node 2 -m lslm.recipes.zero --stage 3 ...`` (the command a cluster runs): the same
+    losses, bit for bit, as the same settings through ``lslm.launch``; the run log written by rank 0."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "zero3.json"
+    args = ["--stage", "3", "--steps", str(STEPS), "--batch-size", str(SMALL["batch_size"]), "--log-every", "100",
+            "--n-layer", str(SMALL["n_layer"]), "--n-head", str(SMALL["n_head"]), "--n-embd", str(SMALL["n_embd"]),
+            "--vocab-size", str(SMALL["vocab_size"]), "--block-size", str(SMALL["block_size"]), "--out", str(out)]
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "lslm.recipes.zero", *args], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = json.loads(out.read_text())
+    launched = R.run(2, output="none", timeout=300, **SMALL, stage=3)
+    assert log["losses"] == launched[0]["losses"]  # the same code, data and arithmetic: bit for bit
+    assert log["losses"] == pytest.approx(baseline, rel=RTOL)
+    assert [r["rank"] for r in log["ranks"]] == [0, 1] and log["config"]["stage"] == 3

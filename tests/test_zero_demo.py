@@ -19,3 +19,27 @@ def test_bytes_at_eight_fake_ranks_are_the_formula_with_padding() -> None:
 def test_fake_world_refuses_a_second_process_group() -> None:
     with fake_world(0, 4), pytest.raises(RuntimeError, match="already initialised"), fake_world(1, 4):
         pass
+
+
+def test_the_whole_picture_counts_gathers_staging_and_states_exactly() -> None:
+    """Rank by rank at 2: stage 3's gathered buffers peak at the root plus two units (the one computing and the one
+    prefetched), all of them when kept gathered; staging at most two buckets in flight (max_inflight); the states are
+    ZeRO's (parameters whole at stage 2, a slice at stage 3)."""
+    from lslm.plot.zero import plot_whole_picture
+    from tests.helpers import run_workers
+
+    res = run_workers("lslm.demos.zero_demo:whole_picture", 2, timeout=180)
+    for r in res:
+        root, unit, psi = r["root_numel"], r["unit_numel"], r["psi"]
+        z2, z3, keep = (r["entries"][k] for k in ("zero2", "zero3", "zero3-keep"))
+        assert z2["gathered"] == 0
+        assert z3["gathered"] == 4 * (root + 2 * unit)
+        assert keep["gathered"] == 4 * sum(keep["buckets"]) >= 4 * psi
+        for e in (z2, z3):
+            two_largest = sorted(e["buckets"])[-2:]
+            assert 0 < e["staging"] <= 4 * sum(two_largest)
+        assert z2["held"]["parameters"] == 4 * sum(z2["buckets"])  # whole, padded
+        assert z3["held"]["parameters"] == 4 * sum(z3["buckets"]) // 2  # this rank's slice
+        assert r["activations"] > 0 and z3["step_peak"] >= z3["gathered"]
+    fig = plot_whole_picture([res[0]], title="t")
+    assert fig.axes[0].get_title() == "t" and "MB" in fig.axes[0].get_ylabel()

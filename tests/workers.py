@@ -24,3 +24,15 @@ def kill_rank(rank: int = 1, sig: int = int(signal.SIGKILL)) -> None:
 def needs_steps(steps: int, lr: float = 0.1) -> int:
     """A worker with a required argument (only its signature matters: the launch is refused before starting)."""
     return steps
+
+
+def gather_objects() -> dict:
+    """``ctx.comm.all_gather_object`` of objects of different sizes: what came back, and what the ledger saw."""
+    import pickle
+
+    ctx = init_distributed()
+    mine = {"rank": ctx.rank, "payload": "x" * (10 * ctx.rank)}
+    got = ctx.comm.all_gather_object(mine, label="objects")
+    recs = ctx.comm.ledger.select(label="objects")
+    return {"got": got, "ops": [r.op for r in recs], "nbytes": [r.nbytes for r in recs],
+            "pickled": [len(pickle.dumps(o)) for o in got]}

@@ -23,27 +23,35 @@ whole batch (the optimizer, the same on both sides, is left out). A pair whose `
 either side refuses (DualPipeV needs ``m >= 2p``, interleaved ``m`` a multiple of ``p``) is
 listed as skipped.
 
-From lslm's runs also, per schedule: the **measured bubble fraction** (median over
-``timeline_steps`` extra steps recorded with ``PipelinePlan.record_timeline``; definition in
-:mod:`lslm.pipeline.timeline`), and the **simulated** one of the same ``(p, m, v)``
-(:func:`~lslm.pipeline.simulator.simulate`) with unit costs ``F=1, B=2, I=W=1`` and with the
-median measured ``F``/``B``/``I``/``W`` durations; one measured timeline is kept in the
-JSON for Gantt charts.
+From lslm's runs also, per schedule: the **measured bubble fraction** (median over the
+recorded steps; definition in :mod:`lslm.pipeline.timeline`), and the **simulated** one of the
+same ``(p, m, v)`` (:func:`~lslm.pipeline.simulator.simulate`) with unit costs ``F=1, B=2,
+I=W=1`` and with the median measured ``F``/``B``/``I``/``W`` durations; one measured timeline
+is kept in the JSON for Gantt charts. The **recorded steps** are a twin variant in the same
+rotation (``"lslm NAME recorded"``: the same pipeline with ``PipelinePlan.record_timeline``),
+so they run where the timed steps run, after another variant's step with its caches as cold;
+steps recorded back to back afterwards were measured faster than the steps they were meant to
+explain (they run warm).
 
-**Time model** (column ``model ms`` beside the measured ``lslm ms``): the simulator plays
-the schedule with each virtual stage's median measured ``F``, ``B``, ``I``, ``W`` (seconds,
-pooled over the recorded steps; the first and last stages carry the embedding and the head,
-so stages differ) and every point-to-point message costing ``alpha + S beta``, ``S`` the
-bytes of one micro-batch's activation (or its gradient: the same size) and alpha, beta the
-fit of ``lslm bench collectives`` at the same world size (``bench/results/collectives.json``,
-:func:`lslm.metrics.collective_costs.fit_alpha_beta`); plus one such message for the loss
-broadcast. Sends are simulated eager (a send does not wait for its receive to be posted; the
-simulator's rendezvous rule gave the same predictions in smoke runs). The predicted step is the
-simulated makespan. Beside it, ``msg ms``: the median time a message took inside a recorded step
-(:func:`measured_message_s`), to compare with the fitted price; the JSON also keeps the model's step
-with that in-step time instead (``model_in_step_ms``), a diagnostic, not the prediction.
-The last line printed is the lslm / torch step-time ratio per pair, then the time model's worst
-``|predicted - measured| / measured`` at ``p = 2``.
+**Time model** (``model ms`` beside the measured ``lslm ms``): the simulator plays the schedule
+with each virtual stage's mean measured ``F``, ``B``, ``I``, ``W`` (seconds, pooled over the
+recorded steps; the first and last stages carry the embedding and the head, so stages differ)
+and the executor's own time after each action (:func:`compute_overhead_s`, measured: the median gap from
+an action's end to what its rank starts next), and every point-to-point message costing
+``alpha + S beta``, ``S`` the bytes of one micro-batch's activation (or its gradient: the same
+size) and alpha, beta the fit of ``lslm
+bench collectives`` at the same world size (``bench/results/collectives.json``,
+:func:`lslm.metrics.collective_costs.fit_alpha_beta`), plus one such message for the loss
+broadcast; sends are simulated eager (a send does not wait for its receive to be posted). To
+the simulated makespan it adds ``outside``: the recorded steps' median time outside the
+schedule's span (step time minus the timeline's makespan: the micro-batch copies, the tied
+embedding's gradient sum, the loss broadcast, the final waits), measured, not modelled.
+``model*``: the same with every message priced at ``msg ms``, the mean time a message took
+inside the recorded steps (:func:`in_step_messages_s`: from both ends posted to received).
+On this 2-core machine the two prices differ several-fold: the fit comes from ranks that only
+communicate, while inside a step gloo's transport threads wait for a core that the other
+rank's compute holds. The last line printed is the lslm / torch step-time ratio per pair,
+then both models' worst ``|predicted - measured| / measured`` at ``p = 2``.
 """
 
 from __future__ import annotations
@@ -61,7 +69,8 @@ from lslm.bench.devices import device_env
 from lslm.bench.pipeline_report import PAIR_NAMES, model_line, plot, print_table, ratio_line  # noqa: F401 (re-exported)
 from lslm.harness import Report, StepTimer, Variant, run_variants
 
-__all__ = ["BENCH_BATCH", "BENCH_MODEL", "PAIRS", "QUICK_MODEL", "measured_message_s", "model_line", "p2p_seconds",
+__all__ = ["BENCH_BATCH", "BENCH_MODEL", "PAIRS", "QUICK_MODEL", "compute_overhead_s", "in_step_messages_s",
+           "measured_message_s", "model_line", "p2p_seconds",
            "plot",
            "predict_step_s", "print_table", "ratio_line", "run", "valid_pairs", "worker"]
 
@@ -132,12 +141,7 @@ def measured_message_s(timeline: Any) -> float | None:
     A diagnostic beside the fitted alpha-beta price: what a message costs while both ranks compute (on a CPU,
     gloo's threads then compete with the computing ones for the cores).
     """
-    key = {"SEND_F": lambda e: ("act", e.stage, e.mb), "RECV_F": lambda e: ("act", e.stage - 1, e.mb),
-           "SEND_B": lambda e: ("grad", e.stage, e.mb), "RECV_B": lambda e: ("grad", e.stage + 1, e.mb)}
-    sent = {key[e.kind](e): e.start for e in timeline.events if e.kind in ("SEND_F", "SEND_B")}
-    # Clamped at 0: the ranks' clocks are aligned by a barrier only, to within a fraction of a millisecond.
-    took = [max(0.0, e.end - max(e.start, sent[key[e.kind](e)])) for e in timeline.events
-            if e.kind in ("RECV_F", "RECV_B") and key[e.kind](e) in sent]
+    took = _message_times(timeline)
     return statistics.median(took) if took else None
 
 
@@ -149,10 +153,10 @@ def p2p_seconds(fit: dict[str, float] | None, nbytes: int) -> float:
 
 
 def predict_step_s(schedule: Any, stage_costs: dict[int, dict[str, float]], message_s: float,
-                   sends: str = "eager") -> float:
-    """The time model's step (seconds): the simulated makespan of ``schedule`` with each stage's measured costs,
-    every p2p message ``message_s`` (``sends``: the simulator's send mode, eager by default, module doc) and one
-    more message for the loss broadcast."""
+                   sends: str = "eager", compute_overhead_s: float = 0.0) -> float:
+    """The time model's span (seconds): the simulated makespan of ``schedule`` with each stage's measured costs,
+    every p2p message ``message_s`` (``sends``: the simulator's send mode, eager by default, module doc), the
+    executor's ``compute_overhead_s`` after each action, and one more message for the loss broadcast."""
     from lslm.pipeline.simulator import simulate
 
     pooled: dict[str, list[float]] = {}
@@ -160,46 +164,72 @@ def predict_step_s(schedule: Any, stage_costs: dict[int, dict[str, float]], mess
         for k, c in kinds.items():
             pooled.setdefault(k, []).append(c)
     costs = {k: statistics.fmean(v) for k, v in pooled.items()}
-    sim = simulate(schedule, costs=costs, comm=message_s, sends=sends, stage_costs=stage_costs)
+    sim = simulate(schedule, costs=costs, comm=message_s, sends=sends, stage_costs=stage_costs,
+                   compute_overhead=compute_overhead_s)
     if not sim.completed:
         raise RuntimeError(f"the time model cannot play {schedule.name}: {sim.problem}")
     ends = [e.end for e in sim.timeline.events]
     return max(ends) - min(e.start for e in sim.timeline.events) + message_s
 
 
-def _bubbles(pipe: Any, x: torch.Tensor, y: torch.Tensor, steps: int,
+def compute_overhead_s(timelines: list[Any]) -> float:
+    """Median time (seconds) from a compute action's end to the next thing its rank starts (posting a batch or
+    the next action), over ``timelines``: the executor's own time per action, 0 with no such pair."""
+    gaps: list[float] = []
+    for t in timelines:
+        for r in range(t.num_ranks):
+            mine = sorted((e for e in t.events if e.rank == r), key=lambda e: e.start)
+            gaps += [max(0.0, b.start - a.end) for a, b in zip(mine, mine[1:]) if a.is_compute]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def in_step_messages_s(timelines: list[Any]) -> list[float]:
+    """Every message's in-step time (seconds, :func:`measured_message_s`'s definition) over ``timelines``."""
+    out: list[float] = []
+    for t in timelines:
+        out += _message_times(t)
+    return out
+
+
+def _message_times(timeline: Any) -> list[float]:
+    key = {"SEND_F": lambda e: ("act", e.stage, e.mb), "RECV_F": lambda e: ("act", e.stage - 1, e.mb),
+           "SEND_B": lambda e: ("grad", e.stage, e.mb), "RECV_B": lambda e: ("grad", e.stage + 1, e.mb)}
+    sent = {key[e.kind](e): e.start for e in timeline.events if e.kind in ("SEND_F", "SEND_B")}
+    # Clamped at 0: the ranks' clocks are aligned by a barrier only, to within a fraction of a millisecond.
+    return [max(0.0, e.end - max(e.start, sent[key[e.kind](e)])) for e in timeline.events
+            if e.kind in ("RECV_F", "RECV_B") and key[e.kind](e) in sent]
+
+
+def _bubbles(pipe: Any, recorded: list[Any], step_s: list[float], message: int,
              fit: dict[str, float] | None = None) -> dict[str, Any]:
-    """Measured (median of ``steps`` recorded steps) and simulated bubble fractions of an lslm pipeline, and the
-    time model's step (module doc)."""
+    """Measured bubble fractions of the ``recorded`` steps (timelines; ``step_s`` their step times), the simulated
+    ones, and the time model's step (module doc)."""
     from lslm.pipeline.simulator import simulate
 
-    pipe.plan.record_timeline = True
-    recorded = []
-    for _ in range(steps):
-        for p in pipe.parameters():
-            p.grad = None
-        pipe.step(x, y)
-        recorded.append(pipe.gather_timeline())
-    pipe.plan.record_timeline = False
-    recorded.sort(key=lambda t: t.bubble_fraction())
-    middle = recorded[len(recorded) // 2]
+    by_bubble = sorted(recorded, key=lambda t: t.bubble_fraction())
+    middle = by_bubble[len(by_bubble) // 2]
     costs = _median_costs(middle)
     sim_unit = simulate(pipe.schedule)
     sim_meas = simulate(pipe.schedule, costs={k: c / costs["F"] for k, c in costs.items()})
     per_stage = _stage_costs(recorded)
-    # One micro-batch's hidden states (batch-first rows x time x width), the size of every activation and gradient.
-    first = next(iter(pipe.stages.values()))
-    message = x.shape[0] // pipe.plan.microbatches * x.shape[1] * first.config.n_embd * x.new_zeros(
-        (), dtype=next(first.parameters()).dtype).element_size()
+    outside = statistics.median(s - t.makespan() for s, t in zip(step_s, recorded))
     message_s = p2p_seconds(fit, message)
-    in_step = measured_message_s(middle)
-    return {"model_ms": 1e3 * predict_step_s(pipe.schedule, per_stage, message_s),
-            "span_ms": 1e3 * middle.makespan(),
+    took = in_step_messages_s(recorded)
+    in_step = statistics.fmean(took) if took else None
+    gap = compute_overhead_s(recorded)
+    span_ab = predict_step_s(pipe.schedule, per_stage, message_s, compute_overhead_s=gap)
+    span_in = None if in_step is None else predict_step_s(pipe.schedule, per_stage, in_step, compute_overhead_s=gap)
+    return {"model_ms": 1e3 * (span_ab + outside),
+            "model_in_step_ms": None if span_in is None else 1e3 * (span_in + outside),
+            "model_span_ms": 1e3 * span_ab, "model_span_in_step_ms": None if span_in is None else 1e3 * span_in,
+            "outside_ms": 1e3 * outside, "compute_overhead_ms": 1e3 * gap,
+            "span_ms": statistics.median(1e3 * t.makespan() for t in recorded),
+            "recorded_step_ms": statistics.median(1e3 * s for s in step_s),
             "message_in_step_ms": None if in_step is None else 1e3 * in_step,
-            "model_in_step_ms": None if in_step is None else 1e3 * predict_step_s(pipe.schedule, per_stage, in_step),
+            "message_in_step_median_ms": statistics.median(took) * 1e3 if took else None,
             "model_message_ms": 1e3 * message_s, "message_bytes": message,
             "stage_costs_ms": {str(s): {k: 1e3 * c for k, c in kinds.items()} for s, kinds in per_stage.items()},
-"bubble_measured": middle.bubble_fraction(),
+            "bubble_measured": middle.bubble_fraction(),
             "bubble_measured_all": [t.bubble_fraction() for t in recorded],
             "bubble_simulated": sim_unit.timeline.bubble_fraction() if sim_unit.completed else None,
             "bubble_simulated_measured_costs": sim_meas.timeline.bubble_fraction() if sim_meas.completed else None,
@@ -208,7 +238,7 @@ def _bubbles(pipe: Any, x: torch.Tensor, y: torch.Tensor, steps: int,
 
 
 def worker(model: dict[str, Any], batch: int, microbatches: list[int], repeats: int = 7, warmup: int = 2,
-           timeline_steps: int = 3, threads: int = 1, seed: int = 0, device: str | None = None,
+           threads: int = 1, seed: int = 0, device: str | None = None,
            p2p_fit: dict[str, float] | None = None) -> dict[str, Any]:
     """One rank of the benchmark at pp = world size (see the module doc); rank 0 returns the rows, the others
     ``{"rank"}``. ``p2p_fit``: the alpha-beta fit the time model prices messages with (None: free messages)."""
@@ -232,6 +262,7 @@ def worker(model: dict[str, Any], batch: int, microbatches: list[int], repeats: 
             variants: list[Variant] = []
             built: list[tuple[str, str, Any]] = []
             losses: dict[str, list[float]] = {}
+            recorded: dict[str, list[Any]] = {}
             for name, ours, theirs, v in pairs:
                 for kind in ("lslm", "torch"):
                     torch.manual_seed(seed)
@@ -246,7 +277,10 @@ def worker(model: dict[str, Any], batch: int, microbatches: list[int], repeats: 
                     losses[key] = []
                     last: list[Any] = [None]
 
-                    def run(timer: StepTimer, i: int, pipe: Any = pipe, last: list[Any] = last) -> None:
+                    def run(timer: StepTimer, i: int, pipe: Any = pipe, last: list[Any] = last,
+                            ours: bool = kind == "lslm") -> None:
+                        if ours:
+                            pipe.plan.record_timeline = False  # the recorded twin's warm-up rounds leave it set
                         for prm in pipe.parameters():
                             prm.grad = None
                         last[0] = pipe.step(data[i][:, :-1], data[i][:, 1:])
@@ -255,6 +289,23 @@ def worker(model: dict[str, Any], batch: int, microbatches: list[int], repeats: 
                         out.append(last[0].item())
 
                     variants.append(Variant(key, run, after))
+                    if kind == "lslm":
+                        # The same pipeline again, its timeline recorded, in the same rotation: its steps run
+                        # where the timed ones run (after another variant's step, caches as cold), so the time
+                        # model's inputs come from steps like the ones it predicts.
+                        recorded[name] = []
+
+                        def run_recorded(timer: StepTimer, i: int, pipe: Any = pipe) -> None:
+                            pipe.plan.record_timeline = True
+                            for prm in pipe.parameters():
+                                prm.grad = None
+                            pipe.step(data[i][:, :-1], data[i][:, 1:])
+
+                        def gather(i: int, pipe: Any = pipe, out: list[Any] = recorded[name]) -> None:
+                            out.append(pipe.gather_timeline())  # collective: outside the timed step
+                            pipe.plan.record_timeline = False
+
+                        variants.append(Variant(f"lslm {name} recorded", run_recorded, gather))
             if not variants:
                 continue
             # Each round's ledger (lslm's p2p, the loss broadcasts) is counted per variant, then emptied.
@@ -269,6 +320,10 @@ def worker(model: dict[str, Any], batch: int, microbatches: list[int], repeats: 
                     prm.grad = None
                 pipe.step(x, y)
                 sent = [r for r in ledger.records[since:] if r.label.startswith(("pp F ", "pp B "))]
+                first = next(iter(pipe.stages.values()))
+                # One micro-batch's hidden states (rows x time x width), the size of every activation and gradient.
+                message = (x.shape[0] // m * x.shape[1] * first.config.n_embd
+                           * torch.finfo(next(first.parameters()).dtype).bits // 8)
                 row = {"pair": name, "lslm_schedule": ours, "torch_schedule": theirs, "m": m, "v": v,
                        "lslm_ms": t_ours.median() * 1e3, "torch_ms": t_theirs.median() * 1e3,
                        "lslm_ms_all": [s * 1e3 for s in t_ours.total_s],
@@ -276,9 +331,12 @@ def worker(model: dict[str, Any], batch: int, microbatches: list[int], repeats: 
                        "max_loss_diff": max(abs(a - b) for a, b in zip(losses[f"lslm {name}"],
                                                                         losses[f"torch {name}"])),
                        "pp_comm_bytes_rank0": sum(r.nbytes for r in sent), "pp_comm_calls_rank0": len(sent),
-                       **_bubbles(pipe, x, y, timeline_steps, p2p_fit)}
+                       **_bubbles(pipe, recorded[name], timings[f"lslm {name} recorded"].total_s, message,
+                                  p2p_fit)}
                 row["ratio"] = row["lslm_ms"] / row["torch_ms"]
                 row["model_error"] = (row["model_ms"] - row["lslm_ms"]) / row["lslm_ms"]
+                row["model_in_step_error"] = (None if row["model_in_step_ms"] is None
+                                              else (row["model_in_step_ms"] - row["lslm_ms"]) / row["lslm_ms"])
                 rows.append(row)
                 ledger.reset()
         result = {"p": ctx.pp_size, "model": model, "batch": batch, "microbatches": list(microbatches),
@@ -288,10 +346,9 @@ def worker(model: dict[str, Any], batch: int, microbatches: list[int], repeats: 
     return {"rank": ctx.rank, **(result if ctx.rank == 0 else {})}
 
 
-
 def run(nprocs: tuple[int, ...] = (2, 4), microbatches: tuple[int, ...] = (4, 8), *, quick: bool = False,
         model: dict[str, Any] | None = None, batch: int | None = None, repeats: int | None = None,
-        warmup: int | None = None, timeline_steps: int | None = None, threads: int = 1,
+        warmup: int | None = None, threads: int = 1,
         out_dir: str | Path | None = "bench/results", timeout: float = 1200.0,
         device: str = "cpu", collectives: str | Path | None = "bench/results/collectives.json",
         ) -> dict[int, dict[str, Any]]:
@@ -314,8 +371,6 @@ def run(nprocs: tuple[int, ...] = (2, 4), microbatches: tuple[int, ...] = (4, 8)
         at_least("microbatches", m, 1)
     repeats = at_least("repeats", repeats, 1) if repeats is not None else (1 if quick else 7)
     warmup = at_least("warmup", warmup, 0) if warmup is not None else (1 if quick else 2)
-    timeline_steps = at_least("timeline_steps", timeline_steps, 1) if timeline_steps is not None else (
-        1 if quick else 3)
     at_least("threads", threads, 1)
     model = dict(model or (QUICK_MODEL if quick else BENCH_MODEL))
     batch = at_least("batch", batch, 1) if batch is not None else (QUICK_BATCH if quick else BENCH_BATCH)
@@ -331,7 +386,7 @@ def run(nprocs: tuple[int, ...] = (2, 4), microbatches: tuple[int, ...] = (4, 8)
     results: dict[int, dict[str, Any]] = {}
     for p in nprocs:
         res = launch("lslm.bench.pipeline:worker", nproc=p, timeout=timeout, output="none", model=model, batch=batch,
-                     microbatches=list(ms), repeats=repeats, warmup=warmup, timeline_steps=timeline_steps,
+                     microbatches=list(ms), repeats=repeats, warmup=warmup,
                      threads=threads, env=env, p2p_fit=fits.get(str(p)))
         results[p] = res[0]
     with Report("pipeline", out_dir) as report:

@@ -70,22 +70,32 @@ def _unique_params(model: nn.Module | Iterable[torch.Tensor]) -> list[tuple[str,
 
 def attach_grad_buffers(model: nn.Module | Iterable[torch.Tensor], ctx: ParallelContext | None = None, *,
                         dtype: torch.dtype = torch.float32, bucket_cap_mb: float | None = None,
-                        pad_to: int = 1) -> list[GradBuffer]:
+                        pad_to: int = 1, one_kind: str | None = None) -> list[GradBuffer]:
     """Give every trainable parameter of ``model`` a ``main_grad`` in a buffer of its kind; return the buffers.
 
     Call it after tensor parallelism marked the parameters (``apply_tensor_parallel``) and
     before the optimizer is built (:func:`lslm.precision.prepare_precision` then uses these
     buffers). ``ctx`` is needed only for replicated key/value heads (which slot is this
     rank's). ``dtype``: the gradient (and reduction) dtype. ``bucket_cap_mb``: ``None`` for one
-    bucket per buffer. ``pad_to``: see :class:`GradBuffer`.
+    bucket per buffer. ``pad_to``: see :class:`GradBuffer`. ``one_kind``: one buffer of that kind
+    for every parameter whatever its marks (ZeRO's single flat layout); a sequence-parallel
+    parameter's tp sum then runs on its ``main_grad`` view (:mod:`lslm.tensor_parallel.grads`).
+    Replicated key/value heads need their slots and refuse it.
     """
     named = _unique_params(model)
     if not named:
         raise ValueError("no parameter requires grad: nothing to hold gradients for")
     cap = None if bucket_cap_mb is None else cap_bytes(bucket_cap_mb)
     groups: dict[tuple[str, torch.device], list[tuple[str, nn.Parameter]]] = {}
+    if one_kind is not None:
+        if one_kind not in KINDS or one_kind == "kv-heads":
+            raise ValueError(f"one_kind must be 'dp' or 'sp', got {one_kind!r}")
+        heads = [n for n, p in named if grad_kind(p) == "kv-heads"]
+        if heads:
+            raise ValueError(f"{heads[0]!r} is a replicated key/value head, which needs a slot per head in a buffer "
+                             "of its own: one_kind cannot hold it")
     for n, p in named:
-        groups.setdefault((grad_kind(p), p.device), []).append((n, p))
+        groups.setdefault((one_kind or grad_kind(p), p.device), []).append((n, p))
     buffers = []
     for (kind, _), members in groups.items():
         slots: dict[int, tuple[int, int]] = {}

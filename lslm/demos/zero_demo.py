@@ -32,7 +32,7 @@ from torch import nn
 from lslm.metrics.held import held_by_owner
 from lslm.models.gpt import GPT, GPTConfig
 
-__all__ = ["ENTRIES", "MODEL", "fake_world", "state_bytes_at_scale", "suite"]
+__all__ = ["ENTRIES", "MODEL", "PICTURE_ENTRIES", "fake_world", "state_bytes_at_scale", "suite", "whole_picture"]
 
 #: The course's GPT (the serial recipe's 1024-token vocabulary, 64-token blocks) with 4 blocks instead of 2, so that
 #: stage 3 has more units than it keeps gathered at once, and width 60 instead of 64, so that parameter sizes are
@@ -159,6 +159,61 @@ def suite(entries: list[str] | None = None, steps: int = STEPS, rows: int = ROWS
         if "zero3" in full and "fsdp2" in full:
             out["zero3_vs_fsdp2"] = max(float((full["zero3"][n] - full["fsdp2"][n]).abs().max()) for n in full["zero3"])
         dist.barrier()  # DTensor users may abort at exit without one (DESIGN §10)
+    return out
+
+
+#: The whole-picture entries: stage 2, stage 3 freeing each block after its forward, stage 3 keeping it gathered.
+PICTURE_ENTRIES = ("zero2", "zero3", "zero3-keep")
+
+
+def whole_picture(rows: int = ROWS, bucket_cap_mb: float = 0.1, model: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything one training step holds on this rank, not only the model states, for :data:`PICTURE_ENTRIES`.
+
+    Per entry, measured on its second step (Adam's states exist): the model states held after it
+    (:func:`~lslm.metrics.held.held_by_owner`), the most bytes of gathered or prefetching parameter
+    buckets and of reduce-scatter staging buffers at once (``ZeroOptimizer.peak_gathered_bytes`` and
+    ``peak_staging_bytes``), and the peak of everything the step allocated on top of what it found
+    (:func:`~lslm.metrics.track_live_bytes`: gathers, staging, gradients before staging, activations,
+    temporaries). The activations (what autograd saves for backward; the same for every entry: same
+    model, same rows) are counted once on a plain copy of the model with
+    :class:`~lslm.metrics.ActivationMemory`. ``bucket_cap_mb``: stage 2's buckets (stage 3's are its units).
+    """
+    from lslm.metrics import ActivationMemory, track_live_bytes
+    from lslm.runtime import init_distributed
+    from lslm.zero import ZeroOptimizer
+
+    with init_distributed(seed=0) as ctx:
+        world, rank = ctx.world_size, ctx.rank
+        torch.manual_seed(0)
+        serial = GPT(GPTConfig(**(model or MODEL)))
+        cfg = serial.config
+        g = torch.Generator().manual_seed(1)
+        data = [torch.randint(0, cfg.vocab_size, (rows * world, cfg.block_size + 1),
+                              generator=g)[rank * rows:(rank + 1) * rows].to(ctx.device)  # lslm: cpu-ok (moved)
+                for _ in range(2)]
+        plain = copy.deepcopy(serial).to(ctx.device)
+        with ActivationMemory(plain) as act:
+            _, loss = plain(data[0][:, :-1], data[0][:, 1:])
+        loss.backward()
+        units = [sum(p.numel() for p in b.parameters()) for b in serial.blocks]
+        out: dict[str, Any] = {"rank": rank, "world": world, "psi": sum(p.numel() for p in serial.parameters()),
+                               "unit_numel": max(units), "root_numel": sum(p.numel() for p in serial.parameters())
+                               - sum(units), "activations": act.bytes, "bucket_cap_mb": bucket_cap_mb, "entries": {}}
+        for kind in PICTURE_ENTRIES:
+            net = copy.deepcopy(serial).to(ctx.device)
+            zero = ZeroOptimizer(net, _adamw(net), ctx, stage=int(kind[4]), bucket_cap_mb=bucket_cap_mb,
+                                 reshard_after_forward="keep" not in kind)
+            for i, batch in enumerate(data):
+                if i == 1:  # measure the second step: Adam's states exist, nothing is allocated for the first time
+                    zero.peak_gathered_bytes = zero.peak_staging_bytes = 0
+                with track_live_bytes() as live:
+                    zero.zero_grad()
+                    _, loss = net(batch[:, :-1], batch[:, 1:])
+                    zero.backward(loss)
+                    zero.step()
+            out["entries"][kind] = {"held": held_by_owner(net, zero), "gathered": zero.peak_gathered_bytes,
+                                    "staging": zero.peak_staging_bytes, "step_peak": int(live.peak[ctx.device.type]),
+                                    "buckets": [z - a for a, z, _, _ in zero.buckets]}
     return out
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,8 +113,9 @@ class PipelineModel:
         for s in sorted(split):
             self.stores[s] = WeightGradStore()
             split_linears(stages[s], self.stores[s])
+        loss_fn = _tensor_parallel_loss(model, ctx)
         self.runtimes = {s: StageRuntime(m, ctx.device, remat=plan.remat, store=self.stores.get(s),
-                                         memory=self.memory) for s, m in stages.items()}
+                                         memory=self.memory, loss_fn=loss_fn) for s, m in stages.items()}
         self.executor = PipelineExecutor(ctx, actions, self.runtimes, schedule.stage_to_rank,
                                          deallocate_outputs=plan.deallocate_outputs, memory=self.memory)
         self.last_timeline: list[Event] = []
@@ -210,6 +211,22 @@ class PipelineModel:
                                stages_per_rank=s.stages_per_rank)
 
 
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _tensor_parallel_loss(model: GPT, ctx: ParallelContext) -> LossFn | None:
+    """The last stage's loss of a tensor-parallel GPT (its head gives this rank's vocabulary slice): the
+    vocabulary-parallel cross-entropy, in fp32 as ``GPT.forward``; ``None`` (plain cross-entropy) otherwise."""
+    info = getattr(model, "tensor_parallel", None)
+    if info is None or info.tp == 1:
+        return None
+    from lslm.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits.float(), targets, ctx, vocab_size=info.vocab_size)
+    return loss_fn
+
+
 def _partition(model: GPT, ctx: ParallelContext, method: str, num_stages: int) -> list[tuple[int, int]]:
     costs = unit_costs(model, method)
     if method == "time":
@@ -227,6 +244,11 @@ def _untie(model: GPT, *, is_last: bool, is_first: bool, meta: bool) -> None:
     stage's rank, a model with weights gets ``lm_head.weight`` as a copy; a model from the meta
     device already materialised the one tied tensor through the head, so the head keeps it and
     the unused embedding goes back to a shape-only meta tensor (no memory, no copy).
+
+    The last stage's copy is marked ``shared`` (Megatron-LM's mark for the same copy): its
+    gradient equals the first stage's after :meth:`PipelineModel.sync_tied_grads`, so a global
+    norm counts it once, on the first stage (:func:`lslm.tensor_parallel.clip.counts_in_norm`).
+    Other marks (``tensor_model_parallel`` on a vocabulary-parallel head) are kept.
     """
     shared = model.wte.weight
     if is_last and not is_first:
@@ -234,7 +256,10 @@ def _untie(model: GPT, *, is_last: bool, is_first: bool, meta: bool) -> None:
             model.wte.weight = nn.Parameter(torch.empty_like(shared, device="meta"),  # lslm: cpu-ok (shapes only)
                                             requires_grad=shared.requires_grad)
         else:
-            model.lm_head.weight = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
+            copy = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
+            copy.__dict__.update(shared.__dict__)
+            model.lm_head.weight = copy
+        model.lm_head.weight.shared = True
 
 
 def apply_pipeline(model: GPT, ctx: ParallelContext, plan: PipelinePlan, *, schedule: Any = None,
@@ -251,12 +276,12 @@ def apply_pipeline(model: GPT, ctx: ParallelContext, plan: PipelinePlan, *, sche
     only this rank's stages are materialised, on ``ctx.device``, with exactly the serial weights
     (:func:`lslm.models.deferred_init.materialize_`); the other stages never take memory here.
     The ``"time"`` partition measures forwards, so it needs a model with weights. With tied weights
-    the last stage's rank materialises the head from the same serial draw as the embedding.
+    the last stage's rank materialises the head from the same serial draw as the embedding. A model
+    whose leaves this rank holds are already materialised (tensor parallelism applied from the meta
+    device to this rank's stages only, :mod:`lslm.three_d`) needs no ``init_seed``: the other
+    stages stay on the meta device.
     """
     meta = is_meta(model)
-    if meta and init_seed is None:
-        raise ValueError("the model is on the meta device (shapes only): pass init_seed=<the seed the serial run "
-                         "builds it from> so that this rank materialises its stages with those weights")
     if not meta and init_seed is not None:
         raise ValueError("init_seed is for a model built on the meta device; this model already holds weights")
     if meta and plan.partition == "time":
@@ -277,7 +302,12 @@ def apply_pipeline(model: GPT, ctx: ParallelContext, plan: PipelinePlan, *, sche
     num_stages = len(stage_to_rank)
     tied = model.lm_head.weight is model.wte.weight and stage_to_rank[0] != stage_to_rank[-1]
     stages = split_gpt(model, num_stages, boundaries=_partition(model, ctx, plan.partition, num_stages))
-    if meta:
+    held_meta = any(p.is_meta for s, stage in enumerate(stages) if stage_to_rank[s] == ctx.pp_rank
+                    for p in stage.parameters())
+    if held_meta and init_seed is None:
+        raise ValueError("the model is on the meta device (shapes only): pass init_seed=<the seed the serial run "
+                         "builds it from> so that this rank materialises its stages with those weights")
+    if held_meta:
         held = {id(m) for s, stage in enumerate(stages) if stage_to_rank[s] == ctx.pp_rank for m in stage.modules()}
         # A tied head is materialised with the embedding's serial values (one parameter, one draw).
         materialize_(model, ctx.device, seed=init_seed, keep=lambda name: id(model.get_submodule(name)) in held)

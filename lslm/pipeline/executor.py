@@ -66,7 +66,7 @@ class _Step:
     xs: Sequence[torch.Tensor]
     ys: Sequence[torch.Tensor]
     loss_weight: float
-    hidden: tuple[int, ...]  # (b, T, C): every activation / gradient crossing a stage boundary
+    hidden: tuple[int, ...]  # (b, T, C), or (T/s, b, C) under sequence parallelism: what crosses a stage boundary
     dtype: torch.dtype
     record: bool
     origin: float
@@ -115,7 +115,7 @@ class PipelineExecutor:
         if self.memory is not None:
             self.memory.reset()
         first = next(iter(self.stages.values()))
-        st = _Step(xs, ys, loss_weight, (*xs[0].shape, first.module.config.n_embd), first.dtype, record, origin)
+        st = _Step(xs, ys, loss_weight, first.module.hidden_shape(*xs[0].shape), first.dtype, record, origin)
         # The timeline's comm bars end at the ledger's completion times, which it stamps only on request.
         with ledger.timed(record):
             i, n = 0, len(self.actions)

@@ -198,7 +198,9 @@ class GPTStage(nn.Module):
     logits ``(b, T, V)``; otherwise hidden states ``(b, T, C)``. The ops are those of
     ``GPT.forward`` in the same order, so chaining every stage is bit-for-bit the GPT,
     its layout included: a stage cut from a GPT with ``sequence_first`` set keeps it, and its
-    hidden states are ``(T, b, C)`` (the pipeline executor's buffers assume batch-first).
+    hidden states are ``(T, b, C)``; under sequence parallelism (a GPT made tensor-parallel with
+    ``sequence_parallel``) they are this tensor-parallel rank's ``T / t`` positions,
+    ``(T / t, b, C)``. :meth:`hidden_shape` gives the shape the executor's receive buffers need.
     """
 
     def __init__(self, model: GPT, index: int, num_stages: int, start: int, stop: int) -> None:
@@ -210,6 +212,9 @@ class GPTStage(nn.Module):
         self.config = model.config
         self.is_first, self.is_last = start == 0, stop == n_units
         self.sequence_first = model.sequence_first
+        tp_info = getattr(model, "tensor_parallel", None)  # lslm.tensor_parallel's TPInfo, read by duck typing
+        #: Into how many slices the sequence of a hidden state is cut (the tensor-parallel size under SP, else 1).
+        self.sequence_shards = tp_info.tp if tp_info is not None and tp_info.sequence_parallel else 1
         if self.is_first:
             self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
         first_block, last_block = max(start, 1) - 1, min(stop, n_units - 1) - 1
@@ -239,6 +244,16 @@ class GPTStage(nn.Module):
             if self.sequence_first:
                 x = x.transpose(0, 1)
         return x
+
+    def hidden_shape(self, batch: int, seq: int) -> tuple[int, int, int]:
+        """The shape of a hidden state crossing a stage boundary for a micro-batch of ``batch`` x ``seq`` tokens:
+        ``(b, T, C)``, or ``(T / s, b, C)`` sequence-first with the sequence over ``s`` = :attr:`sequence_shards`."""
+        if seq % self.sequence_shards:
+            raise ValueError(f"sequence length {seq} does not split over {self.sequence_shards} sequence-parallel "
+                             f"ranks; use a multiple of {self.sequence_shards}")
+        if self.sequence_first:
+            return (seq // self.sequence_shards, batch, self.config.n_embd)
+        return (batch, seq, self.config.n_embd)
 
     def model_names(self) -> Iterator[tuple[str, nn.Parameter]]:
         """``(name in the GPT, parameter)`` for each parameter of this stage (``"blocks.5.attn.c_attn.weight"``)."""

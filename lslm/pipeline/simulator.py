@@ -113,7 +113,8 @@ def _costs(costs: Mapping[str, float] | None) -> dict[str, float]:
 
 def simulate(schedule: PipelineSchedule, costs: Mapping[str, float] | None = None, comm: float = 0.0,
              stream: str = "peer", sends: str = "rendezvous", split_sends: bool = False,
-             stage_costs: Mapping[int, Mapping[str, float]] | None = None) -> SimResult:
+             stage_costs: Mapping[int, Mapping[str, float]] | None = None,
+             compute_overhead: float = 0.0) -> SimResult:
     """Run ``schedule`` as an event simulation (module doc): a simulated :class:`Timeline`, deadlock check, memory.
 
     ``costs``: time of each compute kind (defaults F=1, B=2, I=1, W=1); ``comm``: time of one matched p2p
@@ -124,8 +125,12 @@ def simulate(schedule: PipelineSchedule, costs: Mapping[str, float] | None = Non
     with stream order it deadlocks 1F1B, see the tests).
     ``stage_costs``: per virtual stage, costs that replace ``costs`` for that stage (e.g. each stage's measured
     average F and B, when stages are not balanced).
+    ``compute_overhead``: time a rank spends on its own after each compute action, neither computing nor waiting
+    (an executor's bookkeeping before it posts the next batch or starts the next action; on a GPU, a launch).
     """
     c = _costs(costs)
+    if isinstance(compute_overhead, bool) or not isinstance(compute_overhead, int | float) or compute_overhead < 0:
+        raise ValueError(f"compute_overhead must be a number >= 0, got {compute_overhead!r}")
     per_stage = {int(stage): _costs({**c, **kinds}) for stage, kinds in (stage_costs or {}).items()}
     if isinstance(comm, bool) or not isinstance(comm, int | float) or comm < 0:
         raise ValueError(f"comm latency must be a number >= 0, got {comm!r}")
@@ -205,6 +210,7 @@ def simulate(schedule: PipelineSchedule, costs: Mapping[str, float] | None = Non
         start = clock[r]
         clock[r] = start + per_stage.get(a.stage, c)[a.kind]
         events.append(Event(r, a.kind, a.stage, a.mb, start, clock[r]))
+        clock[r] += compute_overhead
         done_compute[r].add((a.kind, a.stage, a.mb))
         if a.kind in ("B", "I"):
             done_compute[r].add(("BI", a.stage, a.mb))

@@ -31,6 +31,7 @@ Two memory techniques, both optional:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -62,11 +63,15 @@ class StageRuntime:
 
     ``store``: the stage's :class:`WeightGradStore` when its linears were split (needed for
     ``I``/``W``); ``memory``: the rank's :class:`PipelineMemory` when tracking activations.
+    ``loss_fn(logits, targets)``: the last stage's mean loss over a micro-batch's tokens
+    (default: cross-entropy of full logits; a tensor-parallel head needs the vocabulary-parallel one).
     """
 
     def __init__(self, module: GPTStage, device: torch.device, *, remat: bool = False,
-                 store: WeightGradStore | None = None, memory: PipelineMemory | None = None) -> None:
+                 store: WeightGradStore | None = None, memory: PipelineMemory | None = None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
         self.module, self.device, self.remat, self.store, self.memory = module, device, remat, store, memory
+        self.loss_fn = loss_fn
         self.index = module.index
         self.is_first, self.is_last = module.is_first, module.is_last
         self.inputs: dict[int, torch.Tensor] = {}
@@ -89,8 +94,10 @@ class StageRuntime:
         if not self.is_last:
             return out, None
         y, weight = self.targets[mb]
-        # As GPT.forward: the softmax in fp32, the mean over this micro-batch's tokens.
-        loss = F.cross_entropy(out.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+        if self.loss_fn is not None:
+            loss = self.loss_fn(out, y)
+        else:  # as GPT.forward: the softmax in fp32, the mean over this micro-batch's tokens
+            loss = F.cross_entropy(out.float().flatten(0, 1), y.flatten(), ignore_index=-100)
         return loss * weight, loss.detach()
 
     # -- the four actions ------------------------------------------------------------

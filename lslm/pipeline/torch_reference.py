@@ -171,6 +171,11 @@ def _boundaries(model: GPT, ctx: ParallelContext, method: str, num_stages: int) 
     return partition_units(costs, num_stages)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)  # a DTensor (duck-typed: this module needs no DTensor import)
+    return to_local() if callable(to_local) else t
+
+
 class TorchPipeline:
     """This rank's stages of ``model`` under torch's schedule ``schedule`` over ``ctx``'s pipeline group.
 
@@ -241,7 +246,8 @@ class TorchPipeline:
         self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
         loss = torch.zeros(1, dtype=torch.float32, device=ctx.device)
         if self.has_last:
-            loss += torch.stack([t.detach().float() for t in losses]).sum() / m
+            # A tensor-parallel head under loss_parallel gives replicated DTensor losses: their local value.
+            loss += torch.stack([_local(t).detach().float() for t in losses]).sum() / m
         if ctx.pp_size > 1:
             last = ctx.group_ranks("pp")[self.stage_to_rank[-1]]
             ctx.comm.broadcast(loss, src=last, group=ctx.group("pp"), label=LOSS_LABEL)

@@ -1,4 +1,5 @@
-"""Notebook 08's figures: model-state bytes per rank by owner next to ZeRO's formulas, stage 3's measured timeline."""
+"""Notebook 08's figures: model-state bytes per rank by owner next to ZeRO's formulas, stage 3's measured timeline,
+the whole picture of a step (states and transient buffers)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
-__all__ = ["OWNERS", "plot_state_bytes", "plot_timeline"]
+__all__ = ["OWNERS", "plot_state_bytes", "plot_timeline", "plot_whole_picture"]
 
 OWNERS = (("parameters", "parameters", "#8ecae6"), ("gradients", "gradients", "#ffb703"),
           ("master_weights", "fp32 masters", "#cdb4db"), ("optimizer_states", "optimizer states", "#90be6d"))
@@ -55,5 +56,35 @@ def plot_timeline(records: Sequence[Mapping[str, Any]], *, title: str) -> plt.Fi
     ax.set_ylim(0, 2.3)
     ax.set_xlabel("time since the step began (ms); numbers: KiB per call (the full unit)")
     ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_whole_picture(pictures: Sequence[Mapping[str, Any]], *, title: str) -> plt.Figure:
+    """Stacked bars, one per (world size, entry) of :func:`lslm.demos.zero_demo.whole_picture` results (rank 0's):
+    the model states held after a step by owner, then the step's transient peak on top, in MB per rank."""
+    bars: list[tuple[str, list[float]]] = []
+    for pic in pictures:
+        for entry, e in pic["entries"].items():
+            bars.append((f"{entry}\nN = {pic['world']}", [e["held"].get(k, 0) / 1e6 for k, _, _ in OWNERS]
+                         + [e["step_peak"] / 1e6]))
+    names = [name for _, name, _ in OWNERS] + ["step's transient peak (gathers, staging, activations, grads)"]
+    colors = [color for _, _, color in OWNERS] + ["#e5e5e5"]
+    fig, ax = plt.subplots(figsize=(11, 4.2), dpi=80)
+    xs = range(len(bars))
+    bottom = [0.0] * len(bars)
+    for j, (name, color) in enumerate(zip(names, colors)):
+        vals = [v[j] for _, v in bars]
+        if any(vals):
+            ax.bar(xs, vals, bottom=bottom, color=color, edgecolor="black", lw=0.5, label=name,
+                   hatch="//" if j == len(names) - 1 else None)
+            bottom = [a + v for a, v in zip(bottom, vals)]
+    for x in xs:
+        ax.text(x, bottom[x] + 0.1, f"{bottom[x]:.2f}", ha="center", fontsize=8)
+    ax.set_xticks(list(xs), [label for label, _ in bars], fontsize=8)
+    ax.set_ylabel("MB per rank (10^6 bytes)")
+    ax.set_ylim(0, 1.25 * max(bottom))
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, ncol=3, loc="upper left")
     fig.tight_layout()
     return fig

@@ -45,6 +45,7 @@ of ``all_gather_single``/``reduce_scatter_single``, which older versions lack.
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -233,6 +234,28 @@ class Comm:
         return self._collective("all_gather", input, _nbytes(output), group, label, fn, output, input, group=group,
                                 async_op=async_op)
 
+    def all_gather_object(self, obj: Any, group: Any = None, label: str = "") -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order, on every rank (``dist.all_gather_object``'s job).
+
+        Done the way torch does it, with two recorded all-gathers, so the ledger sees the bytes:
+        each rank's pickled size (one int64), then the pickles padded to the longest. The tensors
+        live on :meth:`default_device` (NCCL gathers on the GPU). Only for trusted peers: the
+        bytes are unpickled.
+        """
+        device = self.default_device(group)
+        world = dist.get_world_size(group)
+        data = pickle.dumps(obj)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        sizes = torch.empty(world, dtype=torch.int64, device=device)
+        self.all_gather_into_tensor(sizes, size, group=group, label=label)
+        longest = int(sizes.max())
+        mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        everyone = torch.empty(world * longest, dtype=torch.uint8, device=device)
+        self.all_gather_into_tensor(everyone, mine, group=group, label=label)
+        raw = everyone.cpu().numpy().tobytes()
+        return [pickle.loads(raw[r * longest:r * longest + int(n)]) for r, n in enumerate(sizes.tolist())]
+
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp.RedOpType = ReduceOp.SUM,
                               group: Any = None, async_op: bool = False, label: str = "") -> Any:
         """Reduce the flat ``input`` across ranks and leave chunk ``rank`` in ``output``, without the FutureWarning."""
@@ -266,12 +289,18 @@ class Comm:
         return self._collective("scatter", tensor, _nbytes(tensor) * dist.get_world_size(group), group, label,
                                 dist.scatter, tensor, scatter_list, src=src, group=group, async_op=async_op)
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, group: Any = None,
-                          async_op: bool = False, label: str = "") -> Any:
-        """Equal-split all-to-all: chunk j of ``input`` goes to rank j, which stores it as chunk ``rank``."""
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+                          input_split_sizes: list[int] | None = None, group: Any = None, async_op: bool = False,
+                          label: str = "") -> Any:
+        """All-to-all: chunk j of ``input`` goes to rank j, which stores it as chunk ``rank``.
+
+        Equal chunks by default; uneven ones with ``input_split_sizes`` / ``output_split_sizes``
+        (rows of dim 0 per rank, as in torch). Recorded bytes: the whole ``input`` this rank hands
+        over (the chunk it keeps included), as for the equal split.
+        """
         self._contig(output, input)
         return self._collective("all_to_all", input, _nbytes(input), group, label, dist.all_to_all_single, output,
-                                input, group=group, async_op=async_op)
+                                input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
     def barrier(self, group: Any = None, label: str = "") -> None:
         """Block until every rank of ``group`` arrives (recorded with 0 bytes; completion on the host clock)."""

@@ -219,12 +219,13 @@ def _has_dropout(model: nn.Module) -> bool:
 
 
 def _convert_streamed(model: nn.Module, ctx: ParallelContext, opts: TPOptions, padded: int,
-                      styles: dict[str, Style], init_seed: int) -> None:
+                      styles: dict[str, Style], init_seed: int, keep: Callable[[str], bool] | None = None) -> None:
     """The meta-device path: replay the serial build leaf by leaf and keep only this rank's part of each.
 
     A leaf the plan shards becomes its parallel module from the full-size leaf (which is then
     dropped); any other leaf gets its whole values on ``ctx.device``. Only one full-size leaf
-    exists at a time, so a rank's memory at start is its shards plus about one layer.
+    exists at a time, so a rank's memory at start is its shards plus about one layer. Leaves
+    ``keep`` rejects (another pipeline stage's) are drawn, never held, and stay on the meta device.
     """
     replacing = (Colwise, Rowwise, VocabEmbedding, VocabHead)
     leaves = {name for name, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None}
@@ -232,7 +233,7 @@ def _convert_streamed(model: nn.Module, ctx: ParallelContext, opts: TPOptions, p
     if inner:
         raise ValueError(f"plan entries {inner} are not modules that own parameters; a model on the meta device "
                          "is converted leaf by leaf: build it on a real device for this plan")
-    for name, full in serial_leaves(model, init_seed):
+    for name, full in serial_leaves(model, init_seed, keep):
         style = styles.get(name)
         if isinstance(style, replacing):
             new = _convert(name, full, style, ctx, opts, padded)
@@ -247,7 +248,7 @@ def _convert_streamed(model: nn.Module, ctx: ParallelContext, opts: TPOptions, p
 def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, plan: TPPlan | None = None, *,
                           sequence_parallel: bool = False, async_grad_allreduce: bool = False,
                           regather_input: bool = True, vocab_multiple: int = 1, rng_seed: int = 0,
-                          init_seed: int | None = None) -> nn.Module:
+                          init_seed: int | None = None, keep: Callable[[str], bool] | None = None) -> nn.Module:
     """Swap ``model``'s modules for tensor-parallel ones over ``ctx``'s TP group, in place; return ``model``.
 
     ``plan`` defaults to :func:`plan_for` ``(model)``. Sizes that do not divide raise
@@ -258,6 +259,8 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, plan: TPPlan |
     layer at a time (:func:`lslm.models.deferred_init.serial_leaves`) and each rank keeps only
     its shards, on ``ctx.device``, bit-for-bit the slices of the serial weights; the full model
     never exists on any rank. The global generator is left where the serial build leaves it.
+    ``keep(name)`` (meta only) selects the leaf modules this rank materialises at all (a pipeline
+    rank's stages, :mod:`lslm.three_d`): the others stay on the meta device, unconverted.
 
     Dropout: if the model has
     any, ``ctx.rng`` is set up with :func:`~lslm.tensor_parallel.random.model_parallel_seed`
@@ -278,6 +281,8 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, plan: TPPlan |
                          "builds it from> so that each rank materialises its shards of those weights")
     if not meta and init_seed is not None:
         raise ValueError("init_seed is for a model built on the meta device; this model already holds weights")
+    if keep is not None and not meta:
+        raise ValueError("keep selects which leaves of a meta-device model to materialise; this model holds weights")
     plan = plan if plan is not None else plan_for(model)
     opts = TPOptions(sequence_parallel=sequence_parallel, async_grad_allreduce=async_grad_allreduce,
                      regather_input=regather_input, vocab_multiple=vocab_multiple)
@@ -289,15 +294,18 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, plan: TPPlan |
     if not targets:
         raise ValueError(f"the plan matched no module of {type(model).__name__}; patterns: {list(plan.styles)}")
     if meta:
-        _convert_streamed(model, ctx, opts, padded, {name: style for name, _, style in targets}, init_seed)
+        _convert_streamed(model, ctx, opts, padded, {name: style for name, _, style in targets}, init_seed, keep)
     else:
         converted = [(name, _convert(name, module, style, ctx, opts, padded)) for name, module, style in targets]
         for name, new in converted:
             if new is not None:
                 _set_submodule(model, name, new)
     if plan.tied is not None:
-        head, emb = plan.tied
-        model.get_submodule(head).weight = model.get_submodule(emb).weight  # the same (V/t, C) rows on both
+        head_module, emb_module = (model.get_submodule(name) for name in plan.tied)
+        if emb_module.weight.is_meta and not head_module.weight.is_meta:
+            emb_module.weight = head_module.weight  # only the head was kept (a last pipeline stage): it holds the rows
+        else:
+            head_module.weight = emb_module.weight  # the same (V/t, C) rows on both
     for fix in plan.fixups:
         fix(model, ctx, opts)
     if ctx.tp_size > 1 and _has_dropout(model):

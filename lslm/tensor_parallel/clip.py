@@ -23,6 +23,8 @@ clips harder than the serial run (``tests/test_tp_clip_checkpoint.py`` shows the
 
 Grouped-query attention with fewer key/value heads than TP ranks keeps one head on
 several ranks (``replicated_heads``); it is counted on the first rank that holds it.
+A tied embedding split over pipeline stages has a copy on the last stage (marked
+``shared``); it is counted on the first stage only.
 
 **Data parallelism on top.** All TP ranks of one data-parallel replica compute the *same*
 loss on the *same* rows (they split the model, not the batch), so gradients are averaged
@@ -62,7 +64,14 @@ def _params(model_or_params: nn.Module | Iterable[torch.Tensor]) -> list[torch.T
 
 
 def counts_in_norm(param: torch.Tensor, ctx: ParallelContext) -> bool:
-    """Whether this rank adds ``param``'s squares to the global norm (sharded: always; replicated: on tp rank 0)."""
+    """Whether this rank adds ``param``'s squares to the global norm (sharded: always; replicated: on tp rank 0).
+
+    A parameter marked ``shared`` (the last pipeline stage's copy of a tied embedding,
+    :func:`lslm.pipeline.apply.apply_pipeline`) never counts: the first stage's copy holds the
+    same gradient and counts it (Megatron-LM's ``param_is_not_shared``).
+    """
+    if getattr(param, "shared", False):
+        return False
     heads = getattr(param, "replicated_heads", None)
     if heads is not None:  # one key/value head on t // n_kv ranks: the first of them counts it
         n_kv, t = heads

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lslm.data_parallel.grad_buffer import buffers_of, has_main_grad
 from lslm.data_parallel.grad_sync import reduce_buffers, split_by_holder
 from lslm.runtime.context import ParallelContext
 
@@ -46,11 +47,26 @@ def sync_sequence_parallel_grads(model: nn.Module, ctx: ParallelContext) -> int:
 
     Returns the number of elements reduced (0 when there is nothing to do). With gradient
     buffers, the ``"sp"`` buffer is reduced in place (``ValueError`` if it also holds other
-    parameters: attach the buffers after ``apply_tensor_parallel`` marked the model).
+    parameters: attach the buffers after ``apply_tensor_parallel`` marked the model); in a
+    buffer shared with other parameters (ZeRO's one layout) their views are summed, through
+    one flat copy.
     """
     params = sequence_parallel_params(model)
     if ctx.tp_size == 1 or not params:
         return 0
+    shared = [b for b in buffers_of(params) if b.kind != "sp"]
+    if shared:  # ZeRO's one buffer (attach_grad_buffers(one_kind=...)): sum just these parameters' views
+        if not all(has_main_grad(p) for p in params):
+            raise ValueError("some sequence-parallel parameters hold .grad while the others live in a shared "
+                             "gradient buffer: attach buffers to the whole model")
+        views = [p.main_grad for p in params]
+        flat = torch.cat([v.reshape(-1) for v in views])
+        ctx.comm.all_reduce(flat, group=ctx.tp_group, label=SP_GRAD_LABEL)
+        offset = 0
+        for v in views:
+            v.copy_(flat[offset:offset + v.numel()].view_as(v))
+            offset += v.numel()
+        return flat.numel()
     buffers, plain = split_by_holder(params)
     if buffers:
         if plain:

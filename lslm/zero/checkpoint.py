@@ -60,7 +60,7 @@ def _piece_values(zero: ZeroOptimizer) -> list[tuple[torch.Tensor, dict[str, Any
     """Per piece: its fp32 master and optimizer state (tensors of the piece's shape are sliceable; scalars are
     copied as they are), read from the files under disk offload."""
     if zero.disk is not None:
-        return zero.disk.read_all()
+        return zero.disk.read_all(zero.optimizer.state if zero.optimizer is not None else {})
     out = []
     for m in zero.masters:
         state = zero.optimizer.state.get(m, {}) if zero.optimizer is not None else {}
@@ -105,8 +105,7 @@ def save_zero(zero: ZeroOptimizer, folder: str | Path, *, step: int, extra: Mapp
             raise OSError(f"could not write {folder / name}: {error}") from error
         raise OSError(f"another rank could not write its shard into {folder}; no manifest written, so the previous "
                       "checkpoint stays the last complete one")
-    records: list[Any] = [None] * zero.world
-    torch.distributed.all_gather_object(records, record, group=zero.group)
+    records = zero.ctx.comm.all_gather_object(record, group=zero.group, label="zero checkpoint")
     if zero.rank == 0:
         manifest = {"format": FORMAT, "world": zero.world, "stage": zero.stage, "dtype": str(zero.dtype),
                     "step": int(step), "extra": dict(extra or {}),
@@ -157,13 +156,13 @@ def _read_shard(folder: Path, record: Mapping[str, Any]) -> dict[str, Any]:
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
-def _check_model(zero: ZeroOptimizer, manifest: Mapping[str, Any]) -> None:
+def _check_model(zero: ZeroOptimizer, manifest: Mapping[str, Any], path: Path) -> None:
     saved = [(p["name"], list(p["shape"])) for p in manifest["params"]]
     here = list(zip(_names(zero), _shapes(zero)))
     if sorted(saved) != sorted(here):
         diff = sorted(set(map(str, saved)) ^ set(map(str, here)))
-        raise ValueError(f"the checkpoint holds another model: {len(saved)} parameters there, {len(here)} here; first "
-                         f"difference {diff[0] if diff else '(order)'}")
+        raise ValueError(f"the checkpoint {path} holds another model: {len(saved)} parameters there, {len(here)} here; "
+                         f"first difference {diff[0] if diff else '(order)'}")
 
 
 @torch.no_grad()
@@ -178,7 +177,7 @@ def load_zero(zero: ZeroOptimizer, folder: str | Path) -> dict[str, Any]:
     """
     folder = Path(folder)
     manifest = read_manifest(folder)
-    _check_model(zero, manifest)
+    _check_model(zero, manifest, folder / MANIFEST)
     names = _names(zero)
     mine = [(names[pc.param], pc.start, pc.stop) for pc in zero.layout.pieces]
     needed = [rec for rec in manifest["shards"]

@@ -55,11 +55,12 @@ from torch import nn
 
 from lslm.data_parallel.buckets import cap_bytes, flat_layout
 from lslm.data_parallel.grad_buffer import GradBuffer, has_main_grad
-from lslm.data_parallel.grad_sync import attach_grad_buffers
+from lslm.data_parallel.grad_sync import attach_grad_buffers, grad_kind
 from lslm.models.deferred_init import is_meta, serial_leaves
 from lslm.precision.scaler import DynamicLossScaler
 from lslm.runtime.context import ParallelContext
-from lslm.zero.disk import DiskStates
+from lslm.tensor_parallel.clip import counts_in_norm
+from lslm.zero.disk import DiskStates, check_writable, elementwise_state_keys
 from lslm.zero.layout import ShardLayout, shard_layout, unit_layout
 
 __all__ = ["GATHER_LABEL", "NORM_LABEL", "OFFLOADS", "REDUCE_SCATTER_LABEL", "STAGES", "ZeroOptimizer"]
@@ -100,6 +101,12 @@ class ZeroOptimizer:
     optimizer states live in files under ``offload_dir`` and stream through host memory
     during the step in chunks of ``disk_chunk_mb`` (:mod:`lslm.zero.disk`).
 
+    With tensor and pipeline parallelism (``ctx`` with tp or pp > 1; stage 1, or stage 2 without
+    pipeline stages) it shards this rank's own parameters (its tp shards of its stages) over dp,
+    and the clipping norm spans dp x tp x pp, each replicated parameter and a pipeline's tied copy
+    counted once (:func:`lslm.tensor_parallel.clip.counts_in_norm`). Sequence-parallel parameters
+    share the one buffer: sum their gradients over tp before :meth:`step` (:mod:`lslm.three_d`).
+
     Interface of :class:`~lslm.precision.master.MixedPrecisionOptimizer`: ``zero_grad()``,
     ``scale_loss(loss)``, ``backward(loss)``, ``step(max_grad_norm) -> bool`` (False when an
     fp16 overflow skipped it), ``loss_scale``, ``param_groups``/``state`` (the inner
@@ -114,13 +121,22 @@ class ZeroOptimizer:
                  reshard_after_forward: bool = True, offload: str | None = None,
                  offload_dir: str | Path | None = None, disk_chunk_mb: float = 16.0,
                  init_seed: int | None = None) -> None:
-        if stage not in STAGES:
-            raise ValueError(f"ZeRO stage {stage!r} is not implemented here; choose one of {STAGES}")
+        if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
+            hint = " (stage 0 is plain data parallelism: use lslm.data_parallel's DDP)" if stage == 0 else ""
+            raise ValueError(f"ZeRO stage {stage!r} is not implemented here; choose one of {STAGES}{hint}")
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype}")
-        if ctx.tp_size > 1 or ctx.pp_size > 1:
-            raise ValueError(f"ZeroOptimizer partitions over data parallelism only (tp={ctx.tp_size}, "
-                             f"pp={ctx.pp_size}): use a grid with tp = pp = 1")
+        if stage == 3 and (ctx.tp_size > 1 or ctx.pp_size > 1):
+            raise ValueError(f"ZeRO stage 3 gathers whole units around the model's own forward, which a pipeline "
+                             f"stage or a tensor-parallel layer does not run as one (tp={ctx.tp_size}, "
+                             f"pp={ctx.pp_size}): use stage 1 (or 2 without pipeline stages) there")
+        if stage == 2 and ctx.pp_size > 1:
+            raise ValueError(f"ZeRO stage 2 reduce-scatters gradients during backward, but a pipeline rank (pp="
+                             f"{ctx.pp_size}) must still sum its tied embedding's gradient with the other end after "
+                             f"the last micro-batch: use stage 1 with pipeline parallelism")
+        if ctx.cp_size > 1:
+            raise ValueError(f"cp={ctx.cp_size}: context-parallel ranks must also sum gradients; ZeroOptimizer "
+                             "reduces over dp only")
         if scaler is not None and dtype != torch.float16:
             raise ValueError("a loss scaler is for fp16 training; bf16 and fp32 need none")
         if optimizer.state:
@@ -128,6 +144,12 @@ class ZeroOptimizer:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no parameter that requires grad: nothing to optimise")
+        if any(grad_kind(p) == "kv-heads" for p in params):
+            raise ValueError("replicated key/value heads need a slot per head in a gradient buffer of their own; "
+                             "ZeroOptimizer keeps one layout: use tp <= the number of key/value heads")
+        if stage > 1 and any(grad_kind(p) == "sp" for p in params):
+            raise ValueError(f"ZeRO stage {stage} reduce-scatters gradients during backward, before the sequence-"
+                             "parallel sum over tp could run: use stage 1 with sequence parallelism")
         in_groups = [p for g in optimizer.param_groups for p in g["params"]]
         if {id(p) for p in in_groups} != {id(p) for p in params} or len(in_groups) != len(params):
             raise ValueError("optimizer must be built over exactly the model's trainable parameters, each once")
@@ -146,12 +168,19 @@ class ZeroOptimizer:
             raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
         if offload == "disk" and offload_dir is None:
             raise ValueError("offload='disk' needs offload_dir, a writable folder on a local disk for the states")
+        if offload == "disk":
+            check_writable(offload_dir)  # before anything changes
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
             raise ValueError(f"max_inflight must be an int >= 1 (buckets reduced at once), got {max_inflight!r}")
         self.model, self.ctx, self.stage, self.dtype, self.scaler = model, ctx, stage, dtype, scaler
         self.max_inflight = max_inflight
         #: Stage 3: the most buckets whose full parameters existed at once (gathered or on their way); 0 below.
         self.max_buckets_gathered = 0
+        #: The most bytes that full (gathered or on their way) parameter buckets held at once (stage 3), and that
+        #: reduce-scatter staging buffers held at once (stages 2-3): the transient buffers beside the model states.
+        #: Running maxima; set them to 0 to measure from a given point.
+        self.peak_gathered_bytes = 0
+        self.peak_staging_bytes = 0
         if scaler is not None and scaler.comm is None:
             # Each rank checks only its slice: the overflow vote must span the group.
             scaler.comm, scaler.group = ctx.comm, ctx.group("dp")
@@ -161,8 +190,9 @@ class ZeroOptimizer:
         self.grad_dtype = grad_dtype
         self.grad_buffer: GradBuffer | None = None
         if stage == 1:  # the whole gradient buffer on every rank (Megatron's distributed optimizer)
+            # One layout for every parameter: a sequence-parallel one's tp sum runs on its view before the step.
             buffers = attach_grad_buffers(params, ctx, dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb,
-                                          pad_to=self.world)
+                                          pad_to=self.world, one_kind="dp")
             assert len(buffers) == 1 and buffers[0].kind == "dp"
             gb = self.grad_buffer = buffers[0]
             self.params = list(gb.params)
@@ -202,10 +232,15 @@ class ZeroOptimizer:
         # (lslm.models.deferred_init) when the model is on the meta device: the whole model never exists here.
         values = _owned_values(model, self.params, self.layout, init_seed) if meta else [
             self.params[pc.param].detach().reshape(-1)[pc.start:pc.stop] for pc in self.layout.pieces]
-        if half or offload:
+        # Disk offload: the masters' values go straight from here to the files (lslm.zero.disk); the masters
+        # themselves stay empty, so the whole slice of fp32 states never sits in memory at once.
+        disk_values = values if offload == "disk" else None
+        if offload == "disk":
+            masters = [torch.empty(0, dtype=torch.float32, device=self.host) for _ in values]
+        elif half or offload:
             masters = [self._on_host(v.clone()) for v in values]
-            if half:
-                model.to(dtype)
+        if half:
+            model.to(dtype)
         self._shard_base = [0]
         for lo, hi in self.layout.shards:
             self._shard_base.append(self._shard_base[-1] + hi - lo)
@@ -234,8 +269,10 @@ class ZeroOptimizer:
         if not half and not offload:  # the fp32 parameters' own slice is what the optimizer updates: no copy at all
             masters = owned
         # ZeRO-Offload: the gradient slices come down into these host buffers for the step on the host.
+        # (Disk offload brings them down chunk by chunk into its own buffers instead: no full-size copy.)
         self._host_grads = [self._on_host(torch.empty(pc.numel, dtype=torch.float32, device=self.host))
-                            for pc in self.layout.pieces] if offload else []
+                            for pc in self.layout.pieces] if offload == "cpu" else []
+        self._clip_coef: torch.Tensor | None = None
         self._owned = owned
         self.masters = masters
         self._grads_fp32 = grad_dtype == torch.float32
@@ -254,8 +291,15 @@ class ZeroOptimizer:
         #: ZeRO-Infinity-style: masters and states in files under offload_dir (one folder per rank), or None.
         self.disk: DiskStates | None = None
         if offload == "disk":
+            keys: dict[int, list[tuple[str, torch.dtype]]] = {}
+            for g in self.optimizer.param_groups if self.optimizer is not None else []:
+                settings = {k: v for k, v in g.items() if k != "params"}
+                found = elementwise_state_keys(type(optimizer), settings, defaults)
+                keys.update({id(m): found for m in g["params"]})
             self.disk = DiskStates(Path(offload_dir) / f"rank{self.rank:05d}-of-{self.world:05d}", masters,
-                                   cap_bytes(disk_chunk_mb))
+                                   cap_bytes(disk_chunk_mb), keys=[keys.get(id(m), []) for m in masters],
+                                   values=disk_values, pin=self.device.type == "cuda")
+        del disk_values
         # Stages 2-3: gradients leave autograd bucket by bucket during backward (see _on_grad).
         self._hooks: list[Any] = []
         if stage >= 2:
@@ -333,6 +377,8 @@ class ZeroOptimizer:
             owned.setdefault("main_grads", []).extend(self._host_grads)
         if self.stage == 3:  # the parameters' persistent storage is this slice; gathered units are transient
             owned["parameters"] = [self.param_shard, *self._gathered.values()]
+        if self.disk is not None:  # the chunk buffers the states stream through: all they ever occupy in memory
+            owned["optimizer_states"] = list(self.disk.slots)
         return owned
 
     # -- backward -----------------------------------------------------------------------------------
@@ -386,6 +432,9 @@ class ZeroOptimizer:
         work = self.ctx.comm.reduce_scatter_tensor(out, staging, group=self.group, async_op=True,
                                                    label=REDUCE_SCATTER_LABEL)
         self._inflight.append((work, staging, out, target))
+        # The staging buffer, and a separate output where a later micro-batch adds into the slice.
+        staged = sum(st.nbytes + (o.nbytes if o is not tg else 0) for _, st, o, tg in self._inflight)
+        self.peak_staging_bytes = max(self.peak_staging_bytes, staged)
 
     @staticmethod
     def _settle(entry: tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
@@ -444,6 +493,8 @@ class ZeroOptimizer:
         work = self.ctx.comm.all_gather_into_tensor(full, shard, group=self.group, async_op=True, label=GATHER_LABEL)
         self._gathering[b] = (work, full)
         self.max_buckets_gathered = max(self.max_buckets_gathered, len(self._gathered) + len(self._gathering))
+        whole = sum(t.nbytes for t in self._gathered.values()) + sum(t.nbytes for _, t in self._gathering.values())
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, whole)
 
     def _ensure(self, b: int) -> None:
         """Bucket ``b``'s parameters hold their full values (gathered now, or a prefetch waited for)."""
@@ -484,12 +535,15 @@ class ZeroOptimizer:
         return self._slices
 
     def _attach_master_grads(self) -> None:
+        if self.disk is not None:  # gradients go down chunk by chunk, into the disk buffers (_step_chunk)
+            self.offload_bytes["to_host"] = 4 * sum(g.numel() for g in self._piece_grads)
+            self._grad_list = []
+            return
         if self.offload:  # gradients down: this rank's slice only, fp32, into the host buffers
             nonblocking = self.device.type == "cuda"
             for m, g, host in zip(self.masters, self._piece_grads, self._host_grads):
                 host.copy_(g, non_blocking=nonblocking)
-                if self.disk is None:  # from disk, a master is attached when its chunk is in memory
-                    m.grad = host
+                m.grad = host
             self.offload_bytes["to_host"] = sum(h.numel() * 4 for h in self._host_grads)
             self._grad_list = list(self._host_grads)
             return
@@ -501,13 +555,24 @@ class ZeroOptimizer:
         # Each element of the model is in exactly one rank's slice: squared norms add over the group.
         # The padding is zero (never written: reduce-scatter of zeros), so it adds nothing.
         sq = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for s in slices:
-            sq += s.float().pow(2).sum()
-        self.ctx.comm.all_reduce(sq, group=self.group, label=NORM_LABEL)
+        ctx = self.ctx
+        if ctx.tp_size * ctx.pp_size == 1:
+            for s in slices:
+                sq += s.float().pow(2).sum()
+            self.ctx.comm.all_reduce(sq, group=self.group, label=NORM_LABEL)
+        else:
+            # With tensor and pipeline parallelism the model is also split over tp x pp: this rank's pieces of
+            # sharded parameters count, replicated ones on tp rank 0 only, a pipeline's tied copy on one end
+            # (lslm.tensor_parallel.clip.counts_in_norm); one all-reduce over dp x tp x pp completes the sum.
+            for pc, g in zip(self.layout.pieces, self._piece_grads):
+                if counts_in_norm(self.params[pc.param], ctx):
+                    sq += g.float().pow(2).sum()
+            self.ctx.comm.all_reduce(sq, group=ctx.group("dp", "tp", "pp"), label=NORM_LABEL)
         total = sq.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in self._grad_list:
             g.mul_(coef.to(g.device))
+        self._clip_coef = coef  # disk offload applies it as each chunk's gradients come down
         return total[0]
 
     def step(self, max_grad_norm: float | None = None, *, clip: Callable[..., Any] | None = None) -> bool:
@@ -520,6 +585,7 @@ class ZeroOptimizer:
         if clip is not None:
             raise ValueError("ZeroOptimizer computes the global norm over its slices itself; pass max_grad_norm only")
         slices = self._reduce_scatter()
+        self._clip_coef = None
         stepped = True
         if self.scaler is not None:
             stepped = not self.scaler.has_overflow(slices)
@@ -540,8 +606,11 @@ class ZeroOptimizer:
 
     def _step_chunk(self, chunk: list[int]) -> None:
         """Disk offload: step the pieces of one chunk (the only masters with a gradient now), send their weights up."""
-        for i in chunk:
-            self.masters[i].grad = self._host_grads[i]
+        for i in chunk:  # the slot's gradient buffer: this piece's fp32 gradient (down from the device), clipped
+            grad = self.masters[i].grad
+            grad.copy_(self._piece_grads[i])
+            if self._clip_coef is not None:
+                grad.mul_(self._clip_coef.to(grad.device))
         if self.optimizer is not None:
             self.optimizer.step()
         with torch.no_grad():

@@ -1,0 +1,25 @@
+"""lslm.plan: how many devices, which layout, will it fit, how fast: a calculator traced to its formulas.
+
+``estimate(model, layout, hardware) -> Estimate`` gives per-device memory by owner (parameters, gradients,
+fp32 master weights, optimizer states, activations with and without recomputation, communication buffers;
+the most loaded pipeline stage, embedding and head included), communication per step per axis (dp / ZeRO,
+tp, pp; cp left for later), and a time per step with a roofline verdict per axis and the pipeline bubble.
+``search(model, hardware, devices)`` ranks the layouts that fit by predicted step time.
+``Estimate.table()`` gives printable rows, each with its formula and source.
+
+Modules, one job each: :mod:`.model` (the model and its batch), :mod:`.params` (parameter counts),
+:mod:`.hardware` (devices and links, presets), :mod:`.layout` (parallel sizes and options, checked),
+:mod:`.states` (model-state bytes, ZeRO), :mod:`.activations` (Korthikanti et al. 2022), :mod:`.memory` (a
+stage's peak), :mod:`.comm` (collectives per axis), :mod:`.timing` (flops, step, rooflines),
+:mod:`.estimate`, :mod:`.search`, :mod:`.terms` (a number with its formula). Pure arithmetic: no processes,
+no tensors; it reuses :mod:`lslm.metrics`' formulas (Korthikanti's layer bytes, the collectives' cost model).
+"""
+
+from lslm.plan.estimate import Estimate, estimate
+from lslm.plan.hardware import Hardware, Link, hardware_presets
+from lslm.plan.layout import Layout, check_layout
+from lslm.plan.model import ModelSpec, model_presets
+from lslm.plan.search import search, sizing_answers
+
+__all__ = ["Estimate", "Hardware", "Layout", "Link", "ModelSpec", "check_layout", "estimate", "hardware_presets",
+           "model_presets", "search", "sizing_answers"]

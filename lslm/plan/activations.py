@@ -1,0 +1,138 @@
+"""Activation bytes per device: one layer (Korthikanti et al. 2022), how many are alive at once, and the ends.
+
+**One layer**, ``s`` sequence, ``b`` micro-batch, ``h`` hidden, ``a`` heads, ``t`` tensor-parallel size, 2-byte
+activations and 1-byte dropout masks (the paper's Table 2; §4.1 lists the tensors, §5 the recomputation):
+
+==========================================  ==================================
+no parallelism                              ``sbh (34 + 5as/h)``
+tensor parallel                             ``sbh (10 + 24/t + 5as/(ht))``
+tensor + sequence parallel                  ``sbh/t (34 + 5as/h)``
+tensor parallel + selective recompute       ``sbh (10 + 24/t)``
+tensor + sequence parallel + selective      ``sbh/t · 34``
+full recompute                              ``2 sbh`` (``2 sbh / t`` with sequence parallelism)
+==========================================  ==================================
+
+The first three are :func:`lslm.metrics.activation_theory.korthikanti_layer_bytes`; selective recompute drops
+the ``5as^2b`` (softmax, its dropout mask, the dropped probabilities), and so does a flash-attention kernel
+(it keeps O(s) statistics, not counted). Other widths keep the paper's list of tensors (``e`` bytes per
+activation, ``m`` per mask; fp32 training: ``e = 4``; ``m`` is the hardware's
+:attr:`~lslm.plan.hardware.Hardware.dropout_mask_bytes`: 1 for the bool mask of fused GPU dropout, 4 on a CPU,
+where it is a float noise tensor; a test measures lslm's GPT on this CPU within 0.3 %, the rest being the
+LayerNorm statistics and token ids the paper leaves out). For ``arch="llama"`` the same list is adapted, and this
+adaptation is ours (no published table): keys and values are ``kv/a`` of the queries, there is no dropout,
+and the SwiGLU MLP keeps four ``f``-wide tensors (gate and up outputs, SiLU output, their product) instead of
+GELU's two ``4h``-wide ones.
+
+**How many at once** on pipeline rank ``r`` of ``p`` with ``m`` micro-batches (``min(p - r, m)`` micro-batches
+of ``L/p`` layers in 1F1B, Narayanan et al. 2021 §2.2.1; interleaved with ``v`` chunks:
+``min((v - 1)p + 2(p - 1 - r) + 1, v m)`` chunks of ``L/(pv)`` layers, §2.2.2): the same counts as
+:func:`lslm.pipeline.theory.activation_memory_theory` (a test checks they agree; that module sits in a layer
+above this one). Rank 0 is the most loaded: ``p`` micro-batches, ``1 + (p - 1)/(p v)`` times that interleaved.
+
+**The ends** (Korthikanti §4.3): the first stage also keeps the embedding's dropout mask (``m · sbh`` per
+in-flight micro-batch, ``/t`` with sequence parallelism); the last keeps the final LayerNorm's input and the
+head's input (``e · sbh`` each, ``/t`` with SP) and the fp32 logits for the loss (``4 sbV / t``, the head
+vocabulary-parallel).
+"""
+
+from __future__ import annotations
+
+from lslm.metrics.activation_theory import korthikanti_layer_bytes
+from lslm.plan.layout import Layout
+from lslm.plan.model import ModelSpec
+
+__all__ = ["embedding_mask_bytes", "in_flight_layers", "in_flight_microbatches", "last_stage_extra_bytes",
+           "layer_activation_bytes", "layer_formula"]
+
+
+def _width(layout: Layout) -> int:
+    return 4 if layout.precision == "fp32" else 2
+
+
+def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute: str | None = None, *,
+                           mask_bytes: int = 1) -> float:
+    """Bytes one layer keeps for backward on one device for one micro-batch (module doc's table).
+
+    ``recompute`` overrides the layout's (to report the bytes without recompute next to those with it).
+    ``cp`` splits the sequence: ``s`` is ``seq_len / cp`` here (the attention term then counts the local
+    queries against the local keys only, a lower bound for ring attention's key/value blocks in flight).
+    ``mask_bytes``: a dropout mask's bytes per element (1: a bool mask; 4 on a CPU, see
+    :attr:`lslm.plan.hardware.Hardware.dropout_mask_bytes`).
+    """
+    recompute = layout.recompute if recompute is None else recompute
+    s, b, h, a, t = model.seq_len // layout.cp, model.micro_batch, model.hidden, model.n_head, layout.tp
+    sp = layout.sequence_parallel
+    e, m = _width(layout), (mask_bytes if model.dropout else 0)
+    region = t if sp else 1  # the LayerNorm / dropout region: replicated, or split along the sequence
+    if recompute == "full":
+        return e * s * b * h / region
+    attention_core = 0 if (recompute == "selective" or layout.flash_attention) else 1
+    # Without re-gathering, the two column-parallel layers keep their gathered input: e·sbh each, not split.
+    kept_whole = 2 * e * s * b * h * (1 - 1 / t) if sp and not layout.regather else 0.0
+    if model.arch == "gpt" and model.ffn == 4 * h and model.kv_heads == a and m:
+        total = korthikanti_layer_bytes(s, b, h, a, t, sp, act_bytes=e, mask_bytes=m)
+        return total - (1 - attention_core) * a * s * s * b * (2 * e + m) / t + kept_whole
+    # The paper's list of tensors, adapted (module doc): replicated region, then the head/MLP-sharded part.
+    kv_frac = model.kv_heads / a
+    replicated = s * b * h * (4 * e + 2 * m)
+    qkv = s * b * h * e * (1 + 2 * kv_frac)  # Q, K and V (K and V kv/a of Q's width)
+    core = attention_core * a * s * s * b * ((2 * e + m) if m else e)  # softmax (+ mask and dropped probs)
+    proj = s * b * h * e
+    f = model.ffn
+    mlp = s * b * f * e * (4 if model.arch == "llama" else 2)
+    return replicated / region + (qkv + core + proj + mlp) / t + kept_whole
+
+
+def layer_formula(model: ModelSpec, layout: Layout, recompute: str | None = None) -> str:
+    """The Table 2 row :func:`layer_activation_bytes` evaluates, as text."""
+    recompute = layout.recompute if recompute is None else recompute
+    sp = layout.sequence_parallel
+    if recompute == "full":
+        return "2sbh/t (full recompute, SP)" if sp else "2sbh (full recompute)"
+    if model.arch != "gpt":
+        return "Korthikanti §4.1's tensors adapted to GQA + SwiGLU, no dropout (ours)"
+    core = recompute == "selective" or layout.flash_attention
+    if layout.tp == 1:
+        return "34sbh" if core else "sbh(34 + 5as/h)"
+    if sp:
+        kept = "" if layout.regather else " + 2e·sbh(1 - 1/t) (inputs kept gathered)"
+        return ("34sbh/t" if core else "sbh/t(34 + 5as/h)") + kept
+    return "sbh(10 + 24/t)" if core else "sbh(10 + 24/t + 5as/(ht))"
+
+
+def in_flight_layers(model: ModelSpec, layout: Layout, m: int, rank: int = 0) -> float:
+    """Layer-micro-batches whose activations pipeline rank ``rank`` holds at its peak (module doc)."""
+    p, v = layout.pp, layout.v
+    if not 0 <= rank < p:
+        raise ValueError(f"rank {rank} is outside 0..{p - 1}")
+    if v == 1:
+        return min(p - rank, m) * model.n_layer / p
+    chunks = min((v - 1) * p + 2 * (p - 1 - rank) + 1, v * m)
+    return chunks * model.n_layer / (p * v)
+
+
+def in_flight_microbatches(layout: Layout, m: int, rank: int = 0) -> int:
+    """Micro-batches in flight on ``rank`` (for the per-micro-batch tensors of the first stage)."""
+    p, v = layout.pp, layout.v
+    if v == 1:
+        return min(p - rank, m)
+    return min(-(-((v - 1) * p + 2 * (p - 1 - rank) + 1) // v), m)
+
+
+def embedding_mask_bytes(model: ModelSpec, layout: Layout, m: int, *, mask_bytes: int = 1) -> float:
+    """The first stage's embedding dropout masks: ``mask_bytes · sbh`` per in-flight micro-batch (``/t`` with
+    SP; ``m`` is the number of micro-batches per step)."""
+    if not model.dropout or layout.recompute == "full":
+        return 0.0
+    s, b, h = model.seq_len // layout.cp, model.micro_batch, model.hidden
+    region = layout.tp if layout.sequence_parallel else 1
+    return mask_bytes * in_flight_microbatches(layout, m) * s * b * h / region
+
+
+def last_stage_extra_bytes(model: ModelSpec, layout: Layout) -> float:
+    """The last stage's final norm input, head input and fp32 logits for one micro-batch (module doc)."""
+    e = _width(layout)
+    s, b, h, t = model.seq_len // layout.cp, model.micro_batch, model.hidden, layout.tp
+    region = t if layout.sequence_parallel else 1
+    head_input = e * s * b * h / (region if layout.regather else 1)  # without re-gathering: kept whole
+    return e * s * b * h / region + head_input + 4 * s * b * model.vocab / t

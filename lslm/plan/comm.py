@@ -1,0 +1,244 @@
+"""Communication per step, per axis: which collectives, how many bytes, on which link, how long.
+
+Each entry is a :class:`Collective`: an algorithm of :func:`lslm.metrics.collective_costs.cost_coefficients`
+(ring all-reduce, all-gather, reduce-scatter) or a point-to-point send, its payload ``S`` (the whole buffer:
+what an all-reduce reduces, what an all-gather returns), the group size ``n``, how many times per step, and the
+link it runs on (:meth:`lslm.plan.hardware.Hardware.link`). Its time is the alpha-beta model along the
+critical path, ``a alpha + b S beta`` per call (``2(n - 1)`` messages and ``2(n-1)/n S`` bytes for a ring
+all-reduce; ``n - 1`` and ``(n-1)/n S`` for all-gather and reduce-scatter; 1 and ``S`` for a send).
+
+* **dp** (``dp · cp`` ranks; Rajbhandari et al. 2020 §7): stage 0 all-reduces the gradients (``2Ψ`` elements
+  through each rank); stages 1-2 reduce-scatter the gradients and all-gather the updated parameters (``Ψ + Ψ``,
+  the same volume), stage 2 reduce-scattering every micro-batch's gradients as backward produces them (it keeps
+  only its slice, so it cannot accumulate whole gradients first: ``(m + 1)Ψ`` per step); stage 3 all-gathers
+  each layer before its forward and again before its backward and reduce-scatters its gradients, **every
+  micro-batch** (``3Ψ`` per micro-batch; the parameters outside the
+  layers, embedding and head, are gathered once per micro-batch and kept until its backward, as lslm does:
+  ``2Ψ_root``). Messages are buckets of ``bucket_mb`` (stage 3: one per layer).
+* **tp** (``t`` ranks; Shoeybi et al. 2019 §3, Korthikanti et al. 2022 §4.2.2), per layer and micro-batch,
+  ``A = e · s b h``: without sequence parallelism two all-reduces of ``A`` in the forward and two in the
+  backward; with it, each becomes an all-gather and a reduce-scatter, plus two all-gathers in the backward that
+  re-gather the saved sharded inputs (Megatron's and lslm's choice). Full recomputation repeats the forward's.
+  The first stage adds the embedding's all-reduce (with SP: a reduce-scatter, and an all-gather in the
+  backward), the last the head's (without SP one all-reduce in the backward; with it an all-gather in the
+  forward, a re-gather and a reduce-scatter in the backward) and the vocabulary-parallel cross-entropy's two
+  small all-reduces (the max, ``4 s b`` bytes; the target logit and the sum of exponentials, ``8 s b``).
+  With sequence parallelism the gradients of the replicated parameters (norms, row-parallel biases, position
+  embedding) are summed over the group once per step; with fewer key/value heads than ranks (GQA), so are the
+  replicated heads' (lslm's ``kv-heads`` buffer: a slot per head). ``regather=False`` (lslm's plan for Hugging
+  Face models) keeps the gathered inputs instead of re-gathering them: 2 fewer all-gathers per layer. These are
+  the calls lslm's :func:`~lslm.tensor_parallel.apply.apply_tensor_parallel` and its gradient sync make (tests
+  count them in its ledger, and in the committed ``bench/results/tp.json``).
+* **pp** (Narayanan et al. 2021 §2.2): per micro-batch and chunk, one activation forward and one gradient
+  backward of ``e · s b h`` (``/t`` with SP), ``v`` chunks per rank; nothing leaves the model's first stage
+  backward or its last stage forward (:func:`pp_sends`; a test counts lslm's executor's sends).
+* **cp**: not modelled yet (``None``): context parallelism is the next chapter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lslm.metrics.collective_costs import cost_coefficients
+from lslm.plan.hardware import Hardware, Link
+from lslm.plan.layout import Layout
+from lslm.plan.memory import replicated_params, stage_split
+from lslm.plan.model import ModelSpec
+from lslm.plan.states import bytes_per_element
+
+__all__ = ["AXES", "AxisComm", "Collective", "communication", "pp_sends"]
+
+AXES = ("dp", "tp", "pp", "cp")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """``count`` calls of ``algorithm`` on ``n`` ranks with ``payload`` bytes each, over ``link``."""
+
+    axis: str
+    label: str
+    algorithm: str  #: a name of :func:`lslm.metrics.collective_costs.cost_coefficients`, or "p2p"
+    payload: float
+    n: int
+    count: float
+    link: Link
+    formula: str
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends over all calls (the ``b S`` term: ``2(n-1)/n S`` for a ring all-reduce)."""
+        return self.count * self._coefficients()[1] * self.payload
+
+    @property
+    def time_s(self) -> float:
+        """Alpha-beta time of all calls back to back."""
+        a, b, _ = self._coefficients()
+        cost = self.link.cost
+        return self.count * (a * cost.alpha_s + b * self.payload * cost.beta_s_per_byte)
+
+    def _coefficients(self) -> tuple[float, float, float]:
+        if self.n <= 1:
+            return 0.0, 0.0, 0.0
+        if self.algorithm == "p2p":
+            return 1.0, 1.0, 0.0
+        return cost_coefficients(self.algorithm, self.n)
+
+
+@dataclass(frozen=True)
+class AxisComm:
+    """One axis's collectives per step on the most loaded device."""
+
+    axis: str
+    group: int
+    link: Link
+    collectives: tuple[Collective, ...]
+
+    @property
+    def payload_bytes(self) -> float:
+        """Sum of payloads x calls (what the ledger records as bytes)."""
+        return sum(c.payload * c.count for c in self.collectives)
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends per step."""
+        return sum(c.wire_bytes for c in self.collectives)
+
+    @property
+    def time_s(self) -> float:
+        """All of the axis's communication back to back (before any overlap)."""
+        return sum(c.time_s for c in self.collectives)
+
+
+def _calls(total_bytes: float, bucket_bytes: float) -> tuple[float, float]:
+    """(count, payload) for ``total_bytes`` cut into buckets of at most ``bucket_bytes`` (equal-sized here)."""
+    if total_bytes <= 0:
+        return 0.0, 0.0
+    count = math.ceil(total_bytes / bucket_bytes)
+    return float(count), total_bytes / count
+
+
+def _dp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> AxisComm:
+    n = layout.dp * layout.cp
+    link = hw.link(n * layout.tp)
+    width = bytes_per_element(layout)
+    layer_part, root = stage_split(model, layout, stage)
+    psi = layer_part + root
+    g, p = width["gradients"] * psi, width["parameters"] * psi
+    bucket = layout.bucket_mb * 2**20
+    out: list[Collective] = []
+    if layout.zero == 0:
+        c, s = _calls(g, bucket)
+        out.append(Collective("dp", "gradient all-reduce", "all_reduce_ring", s, n, c, link, "2Ψ (all-reduce, g·Ψ)"))
+    elif layout.zero in (1, 2):
+        c, s = _calls(g, bucket)
+        if layout.zero == 1:
+            out.append(Collective("dp", "gradient reduce-scatter", "reduce_scatter_ring", s, n, c, link, "Ψ (g·Ψ)"))
+        else:  # only slices of the gradients are kept: every micro-batch's are reduce-scattered as they appear
+            out.append(Collective("dp", "gradient reduce-scatter (per micro-batch)", "reduce_scatter_ring", s, n,
+                                  c * m, link, "Ψ per micro-batch (g·Ψ)"))
+        c, s = _calls(p, bucket)
+        out.append(Collective("dp", "parameter all-gather", "all_gather_ring", s, n, c, link, "Ψ (p·Ψ)"))
+    else:
+        layers = model.n_layer // layout.pp
+        one = layer_part // layers
+        pl, gl = width["parameters"] * one, width["gradients"] * one
+        out += [Collective("dp", "layer all-gather (forward)", "all_gather_ring", pl, n, layers * m, link,
+                           "Ψ per micro-batch"),
+                Collective("dp", "layer all-gather (backward)", "all_gather_ring", pl, n, layers * m, link,
+                           "Ψ per micro-batch"),
+                Collective("dp", "layer gradient reduce-scatter", "reduce_scatter_ring", gl, n, layers * m, link,
+                           "Ψ per micro-batch")]
+        if root:
+            out += [Collective("dp", "root all-gather", "all_gather_ring", width["parameters"] * root, n, m, link,
+                               "Ψ_root per micro-batch (kept from its forward to its backward)"),
+                    Collective("dp", "root gradient reduce-scatter", "reduce_scatter_ring", width["gradients"] * root,
+                               n, m, link, "Ψ_root per micro-batch")]
+    return AxisComm("dp", n, link, tuple(out))
+
+
+def _tp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> AxisComm:
+    t = layout.tp
+    link = hw.link(t)
+    e = 4 if layout.precision == "fp32" else 2
+    s, b, h = model.seq_len // layout.cp, model.micro_batch, model.hidden
+    a = e * s * b * h
+    layers = model.n_layer // layout.pp
+    fwd_passes = 2 if layout.recompute == "full" else 1
+    out: list[Collective] = []
+    if layout.sequence_parallel:
+        regathers = 2 if layout.regather else 0
+        out += [Collective("tp", "layer all-gather", "all_gather_ring", a, t,
+                           (2 * fwd_passes + 2 + regathers) * layers * m, link,
+                           "2 forward (+2 recompute) + 2 backward" + (" + 2 re-gathers" if regathers else "")
+                           + " per layer"),
+                Collective("tp", "layer reduce-scatter", "reduce_scatter_ring", a, t,
+                           (2 * fwd_passes + 2) * layers * m, link, "2 forward (+2 recompute) + 2 backward per layer")]
+    else:
+        out.append(Collective("tp", "layer all-reduce", "all_reduce_ring", a, t, (2 * fwd_passes + 2) * layers * m,
+                              link, "2 forward (+2 recompute) + 2 backward per layer"))
+    if stage == 0:
+        if layout.sequence_parallel:
+            out += [Collective("tp", "embedding reduce-scatter", "reduce_scatter_ring", a, t, m, link, "forward"),
+                    Collective("tp", "embedding all-gather", "all_gather_ring", a, t, m, link, "backward")]
+        else:
+            out.append(Collective("tp", "embedding all-reduce", "all_reduce_ring", a, t, m, link, "forward"))
+    if stage == layout.pp - 1:
+        if layout.sequence_parallel:
+            gathers = 2 if layout.regather else 1
+            out += [Collective("tp", "head input all-gather", "all_gather_ring", a, t, gathers * m, link,
+                               "forward" + (" + re-gather in backward" if layout.regather else "")),
+                    Collective("tp", "head input-gradient reduce-scatter", "reduce_scatter_ring", a, t, m, link,
+                               "backward")]
+        else:
+            out.append(Collective("tp", "head input-gradient all-reduce", "all_reduce_ring", a, t, m, link,
+                                  "backward of f"))
+        out += [Collective("tp", "cross-entropy max", "all_reduce_ring", 4 * s * b, t, m, link, "fp32, per token"),
+                Collective("tp", "cross-entropy target logit + sum of exp", "all_reduce_ring", 8 * s * b, t, m, link,
+                           "two fp32 per token, one call")]
+    if model.kv_heads < t:  # each key/value head lives on t/kv ranks: their gradients are summed once per step
+        kv = 2 * model.hidden * model.kv_heads * model.head_dim * (model.n_layer // layout.pp)
+        count, size = _calls(bytes_per_element(layout)["gradients"] * kv, layout.bucket_mb * 2**20)
+        out.append(Collective("tp", "replicated key/value-head gradient sum", "all_reduce_ring", size, t, count, link,
+                              "once per step: k and v weights, one slot per key/value head"))
+    if layout.sequence_parallel:
+        grads = bytes_per_element(layout)["gradients"] * replicated_params(model, layout, stage)
+        count, size = _calls(grads, layout.bucket_mb * 2**20)
+        out.append(Collective("tp", "sequence-parallel gradient sum", "all_reduce_ring", size, t, count, link,
+                              "once per step: the replicated parameters' gradients (norms, biases, positions)"))
+    return AxisComm("tp", t, link, tuple(out))
+
+
+def pp_sends(p: int, v: int, m: int, rank: int) -> int:
+    """Sends pipeline rank ``rank`` makes per step: an activation out of each of its ``v`` chunks but the model's
+    last, a gradient out of each but the model's first, ``m`` times each: ``2vm`` in the middle, ``(2v - 1)m``
+    on the first and last ranks, ``2(v - 1)m`` on a lone one."""
+    if p == 1:
+        return 0
+    return (2 * v - (rank == 0) - (rank == p - 1)) * m
+
+
+def _pp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> AxisComm:
+    # Neighbouring stages are dp·cp·tp devices apart: once the pipeline spans more than a node some hop crosses
+    # nodes, and the pipeline runs at its slowest hop.
+    link = hw.link(layout.dp * layout.cp * layout.tp * layout.pp)
+    e = 4 if layout.precision == "fp32" else 2
+    region = layout.tp if layout.sequence_parallel else 1
+    a = e * model.seq_len // layout.cp * model.micro_batch * model.hidden / region
+    sends = pp_sends(layout.pp, layout.v, m, stage)
+    return AxisComm("pp", layout.pp, link, (
+        Collective("pp", "activation / gradient send", "p2p", a, layout.pp, sends, link,
+                   "per micro-batch and chunk: a forward activation and a backward gradient of e·sbh (/t with SP), "
+                   "none past the model's ends"),))
+
+
+def communication(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> dict[str, AxisComm | None]:
+    """Each axis's communication per step on one device of pipeline stage ``stage`` (``cp``: ``None``).
+
+    An axis of size 1 communicates nothing: its :class:`AxisComm` has no collectives."""
+    axes = {"dp": _dp(model, layout, hw, m, stage), "tp": _tp(model, layout, hw, m, stage),
+            "pp": _pp(model, layout, hw, m, stage)}
+    out: dict[str, AxisComm | None] = {name: ax if ax.group > 1 else AxisComm(name, 1, ax.link, ())
+                                       for name, ax in axes.items()}
+    out["cp"] = None
+    return out

@@ -1,0 +1,127 @@
+"""The machine the calculator plans for: compute rate, memory, and the two kinds of link (alpha-beta each).
+
+A device has a peak rate per precision (flop/s), ``hbm_bytes`` of memory of which ``reserved_bytes`` are not
+the model's (runtime context, allocator slack, library workspaces: an editable assumption), and
+``devices_per_node`` peers on the fast intra-node link; groups that span nodes run at the inter-node link's
+cost. Each link is Hockney's alpha-beta model (:class:`lslm.metrics.step_time.LinkCost`): ``alpha`` seconds per
+message, ``1/bandwidth`` seconds per byte, per direction, per device.
+
+The GPU presets are **vendor datasheet figures** (dense tensor-core peaks, link bandwidths per direction); the
+latencies (``alpha``) are our assumptions. Nothing here was measured on those GPUs: edit any field
+(``dataclasses.replace``) to plan with your own measurements. ``compute_efficiency`` scales every peak (1.0:
+the roofline's upper bound; the fraction of peak a real run reaches is what to measure and put here).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from lslm.metrics.step_time import LinkCost
+
+__all__ = ["PRECISIONS", "Hardware", "Link", "hardware_presets"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: ``alpha_s`` per message, ``bandwidth_Bps`` bytes per second per direction per device."""
+
+    alpha_s: float
+    bandwidth_Bps: float
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.alpha_s, (int, float)) and self.alpha_s >= 0 and math.isfinite(self.alpha_s)):
+            raise ValueError(f"Link.alpha_s must be a finite number >= 0 (seconds per message), got {self.alpha_s!r}")
+        if not (isinstance(self.bandwidth_Bps, (int, float)) and self.bandwidth_Bps > 0):
+            raise ValueError(f"Link.bandwidth_Bps must be > 0 (bytes per second), got {self.bandwidth_Bps!r}")
+
+    @property
+    def cost(self) -> LinkCost:
+        """The link as :class:`~lslm.metrics.step_time.LinkCost` (no separate reduction cost: gamma = 0)."""
+        return LinkCost(float(self.alpha_s), 1.0 / float(self.bandwidth_Bps), 0.0)
+
+    @classmethod
+    def from_fit(cls, fit: dict[str, Any]) -> Link:
+        """From a fit of :func:`lslm.metrics.collective_costs.fit_alpha_beta` (``bench/results/collectives.json``)."""
+        return cls(float(fit["alpha_s"]), 1.0 / float(fit["beta_s_per_byte"]))
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A device type and how devices are connected (module doc); every field editable."""
+
+    name: str
+    peak_flops: dict[str, float] = field(default_factory=dict)  #: precision -> flop/s (dense)
+    hbm_bytes: float = 80 * GiB
+    devices_per_node: int = 8
+    intra: Link = Link(5e-6, 450e9)
+    inter: Link = Link(10e-6, 50e9)
+    reserved_bytes: float = 0.0
+    compute_efficiency: float = 1.0
+    host_bytes_per_node: float | None = None  #: CPU memory per node (offload targets it); None: not checked
+    #: bytes per element of a saved dropout mask: 1 where fused dropout keeps a bool mask (accelerators), 4 on a
+    #: CPU, where torch's dropout multiplies by a saved float noise tensor (lslm.metrics.activation_theory)
+    dropout_mask_bytes: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
+                or self.devices_per_node < 1:
+            raise ValueError(f"Hardware.devices_per_node must be an int >= 1, got {self.devices_per_node!r}")
+        if not self.hbm_bytes > 0:
+            raise ValueError(f"Hardware.hbm_bytes must be > 0, got {self.hbm_bytes!r}")
+        if not 0 <= self.reserved_bytes < self.hbm_bytes:
+            raise ValueError(f"Hardware.reserved_bytes must be in [0, hbm_bytes), got {self.reserved_bytes!r}")
+        if self.dropout_mask_bytes not in (1, 2, 4):
+            raise ValueError(f"Hardware.dropout_mask_bytes must be 1, 2 or 4, got {self.dropout_mask_bytes!r}")
+        if not 0 < self.compute_efficiency <= 1:
+            raise ValueError(f"Hardware.compute_efficiency must be in (0, 1], got {self.compute_efficiency!r}")
+        for precision, rate in self.peak_flops.items():
+            if precision not in PRECISIONS:
+                raise ValueError(f"Hardware.peak_flops: unknown precision {precision!r}; use {PRECISIONS}")
+            if not (isinstance(rate, (int, float)) and rate > 0):
+                raise ValueError(f"Hardware.peak_flops[{precision!r}] must be > 0 flop/s, got {rate!r}")
+
+    @property
+    def usable_bytes(self) -> float:
+        """Memory the model may use: ``hbm_bytes - reserved_bytes``."""
+        return self.hbm_bytes - self.reserved_bytes
+
+    def flops(self, precision: str) -> float:
+        """The rate the calculator assumes for ``precision``: peak x ``compute_efficiency``."""
+        if precision not in self.peak_flops:
+            known = ", ".join(sorted(self.peak_flops)) or "none"
+            raise ValueError(f"hardware {self.name!r} has no compute rate for {precision} (it has: {known}); "
+                             f"give one, e.g. dataclasses.replace(hw, peak_flops={{**hw.peak_flops, "
+                             f"'{precision}': 1e12}}) or `lslm plan --peak-tflops`")
+        return self.peak_flops[precision] * self.compute_efficiency
+
+    def link(self, span: int) -> Link:
+        """The link a group whose ranks span ``span`` consecutive devices runs at: intra-node if it fits in one
+        node, else the inter-node link (a ring is as slow as its slowest hop)."""
+        return self.intra if span <= self.devices_per_node else self.inter
+
+
+def hardware_presets() -> dict[str, Hardware]:
+    """``h100-sxm``, ``a100-80gb`` (datasheet peaks and link bandwidths; alphas assumed) and ``cpu-box``.
+
+    * H100 SXM5 80 GB: 989 Tflop/s dense bf16/fp16, 67 Tflop/s fp32 (non-tensor); NVLink 4 at 900 GB/s
+      both directions (450 GB/s each way); one 400 Gb/s InfiniBand NDR adapter per GPU (50 GB/s).
+    * A100 SXM 80 GB: 312 Tflop/s dense bf16/fp16, 19.5 Tflop/s fp32; NVLink 3 at 600 GB/s (300 each way);
+      one 200 Gb/s HDR adapter per GPU (25 GB/s).
+    * ``cpu-box``: this course's CPU machine as one "node" of 2 processes; its link is the gloo fit committed in
+      ``bench/results/collectives.json`` (4 processes: alpha 251 µs, 3.50 GB/s); it has **no compute rate**:
+      measure one and pass it (``lslm plan --peak-tflops``), the calculator will not invent it. Its "device
+      memory" is half of the machine's 23 GiB (``free -g`` when this was written), one share per process.
+    ``reserved_bytes`` (2 GiB on the GPUs) is our assumption for the CUDA context and allocator slack.
+    """
+    h100 = Hardware("H100 SXM 80GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, hbm_bytes=80 * GiB,
+                    devices_per_node=8, intra=Link(5e-6, 450e9), inter=Link(10e-6, 50e9), reserved_bytes=2 * GiB)
+    a100 = Hardware("A100 SXM 80GB", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, hbm_bytes=80 * GiB,
+                    devices_per_node=8, intra=Link(5e-6, 300e9), inter=Link(10e-6, 25e9), reserved_bytes=2 * GiB)
+    cpu = Hardware("CPU box (gloo)", {}, hbm_bytes=11 * GiB, devices_per_node=2,
+                   intra=Link(2.5067e-4, 3.5037e9), inter=Link(2.5067e-4, 3.5037e9), dropout_mask_bytes=4)
+    return {"h100-sxm": h100, "a100-80gb": a100, "cpu-box": cpu}

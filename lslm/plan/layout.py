@@ -1,0 +1,134 @@
+"""How a model is laid out over devices: the parallel sizes and the memory-saving options, checked together.
+
+Axes, outermost to innermost, as lslm's grid orders them (:mod:`lslm.runtime`): ``pp, dp, cp, tp``, so the
+tensor-parallel group is ``tp`` consecutive devices (the fastest links), a data-parallel group strides over
+``tp · cp`` and spans ``dp · cp · tp`` devices, and pipeline neighbours are ``dp · cp · tp`` devices apart.
+
+Options: ``zero`` (0: plain data parallelism; 1-3: ZeRO stages, Rajbhandari et al. 2020), ``offload``
+(``"cpu"``: the fp32 masters and optimizer states live in host memory, ZeRO-Offload, Ren et al. 2021),
+``sequence_parallel`` (Korthikanti et al. 2022 §4.2.2), ``recompute`` (``"none"``, ``"selective"``: the
+attention core, §5; ``"full"``: every layer keeps only its input), ``precision`` (``fp32``; ``bf16``/``fp16``
+with fp32 master weights), ``grad_dtype`` (``"fp32"``: Megatron's and lslm's fp32 ``main_grad``; ``"param"``:
+gradients in the parameters' dtype, the ZeRO paper's accounting), ``v`` virtual stages per pipeline rank
+(interleaved 1F1B), ``flash_attention`` (no ``s^2`` tensors kept), ``regather`` (with sequence parallelism
+the column-parallel layers keep their sharded input and all-gather it again in backward, Megatron's choice and
+lslm's for its GPT; False keeps the gathered input), ``bucket_mb`` (data-parallel bucket size, which sets how
+many messages a step sends).
+
+:func:`check_layout` refuses a layout that cannot run, with what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lslm.plan.hardware import PRECISIONS
+from lslm.plan.model import ModelSpec
+
+__all__ = ["OFFLOADS", "RECOMPUTE", "Layout", "check_layout", "microbatches"]
+
+RECOMPUTE = ("none", "selective", "full")
+OFFLOADS = ("none", "cpu")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel sizes and options (module doc)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    v: int = 1
+    cp: int = 1
+    zero: int = 0
+    offload: str = "none"
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    precision: str = "bf16"
+    grad_dtype: str = "fp32"
+    flash_attention: bool = False
+    regather: bool = True
+    bucket_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "v", "cp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Layout.{name} must be an int >= 1, got {value!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"Layout.zero must be 0 (no ZeRO), 1, 2 or 3, got {self.zero!r}")
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"Layout.offload must be one of {OFFLOADS}, got {self.offload!r}")
+        if self.offload == "cpu" and self.zero == 0:
+            raise ValueError("offload='cpu' moves the optimizer's partition to the host (ZeRO-Offload): it needs "
+                             "zero >= 1")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"Layout.recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Layout.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.grad_dtype not in ("fp32", "param"):
+            raise ValueError(f"Layout.grad_dtype must be 'fp32' (main_grad) or 'param', got {self.grad_dtype!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel splits the LayerNorm/dropout region over the tensor-parallel "
+                             "group: it needs tp > 1")
+        if self.v > 1 and self.pp == 1:
+            raise ValueError(f"v={self.v} virtual stages need a pipeline (pp > 1)")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"Layout.bucket_mb must be > 0, got {self.bucket_mb!r}")
+
+    @property
+    def world(self) -> int:
+        """Devices: ``dp · tp · pp · cp``."""
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule modelled: ``"1f1b"`` (``v = 1``) or ``"interleaved"`` (Narayanan et al. 2021)."""
+        return "interleaved" if self.v > 1 else "1f1b"
+
+    def describe(self) -> str:
+        """A one-line summary, e.g. ``dp 16 x tp 8 x pp 8 (v 2), ZeRO-1, SP, recompute selective, bf16``."""
+        parts = [f"dp {self.dp}", f"tp {self.tp}", f"pp {self.pp}" + (f" (v {self.v})" if self.v > 1 else "")]
+        if self.cp > 1:
+            parts.append(f"cp {self.cp}")
+        opts = [f"ZeRO-{self.zero}" if self.zero else "no ZeRO"]
+        if self.offload != "none":
+            opts.append(f"offload {self.offload}")
+        if self.sequence_parallel:
+            opts.append("SP")
+        opts += [f"recompute {self.recompute}", self.precision]
+        return " x ".join(parts) + ", " + ", ".join(opts)
+
+
+def microbatches(model: ModelSpec, layout: Layout) -> int:
+    """Micro-batches accumulated per step: ``global_batch / (dp · micro_batch)``."""
+    per_rank, rest = divmod(model.global_batch, layout.dp * model.micro_batch)
+    if rest or per_rank < 1:
+        raise ValueError(f"global_batch={model.global_batch} must be a multiple of dp x micro_batch = "
+                         f"{layout.dp} x {model.micro_batch}; e.g. global_batch="
+                         f"{max(1, per_rank) * layout.dp * model.micro_batch}")
+    return per_rank
+
+
+def check_layout(model: ModelSpec, layout: Layout, devices: int | None = None) -> None:
+    """Raise ``ValueError`` (saying what to change) unless ``layout`` can run ``model`` on ``devices``."""
+    if devices is not None and layout.world != devices:
+        raise ValueError(f"dp x tp x pp x cp = {layout.dp} x {layout.tp} x {layout.pp} x {layout.cp} = "
+                         f"{layout.world} devices, but {devices} were given: make the product equal the device count")
+    if model.n_head % layout.tp:
+        raise ValueError(f"the {model.n_head} attention heads must split evenly over tp={layout.tp}")
+    if model.kv_heads % layout.tp and layout.tp % model.kv_heads:
+        raise ValueError(f"the {model.kv_heads} key/value heads must split over tp={layout.tp} (or be replicated: "
+                         "tp a multiple of them)")
+    if model.ffn % layout.tp:
+        raise ValueError(f"the MLP width {model.ffn} must split evenly over tp={layout.tp}")
+    if model.n_layer % (layout.pp * layout.v):
+        raise ValueError(f"n_layer={model.n_layer} must be divisible by pp x v = {layout.pp} x {layout.v} "
+                         "(every virtual stage holds the same number of layers)")
+    if model.seq_len % (layout.cp * (layout.tp if layout.sequence_parallel else 1)):
+        raise ValueError(f"seq_len={model.seq_len} must split over cp x (tp with sequence parallelism) = "
+                         f"{layout.cp * (layout.tp if layout.sequence_parallel else 1)}")
+    m = microbatches(model, layout)
+    if layout.v > 1 and m % layout.pp:
+        raise ValueError(f"the interleaved schedule needs the micro-batches per step ({m}) to be a multiple of "
+                         f"pp={layout.pp} (Narayanan et al. 2021 §2.2.2); change global_batch or micro_batch")

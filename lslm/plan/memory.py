@@ -1,0 +1,178 @@
+"""Per-device memory of one pipeline stage: model states, activations, communication buffers; the most loaded.
+
+A stage's parameters (per tensor-parallel rank): ``L/p`` layers; the first stage adds the embedding, the last
+the final norm and the head (with a tied head and ``p > 1`` the last stage keeps its own copy of the word
+embedding, as Megatron and lslm do, its gradient summed with the first stage's). Tensor parallelism splits
+every matrix and the (vocabulary-parallel) embedding and head over ``t``; LayerNorm weights, the row-parallel
+biases and the position embedding are replicated; key/value heads split over ``min(t, kv)``. Megatron pads the
+vocabulary to a multiple of ``128 t``; here each rank holds ``ceil(V/t)`` rows (lslm's ``vocab_multiple=1``).
+
+Activations: :mod:`lslm.plan.activations` (in flight x per layer, plus the ends); with recomputation one layer's
+full activations exist again during its backward (the "recompute working set"). Communication buffers:
+ZeRO-2's staging buckets for the reduce-scatter (2 in flight, lslm's ``max_inflight``), ZeRO-3's gathered
+units (this one and the prefetched next, in the parameters' dtype, plus a staging bucket of gradients), the
+pipeline's receive buffers (one activation and one gradient). Transient all-gather outputs of sequence
+parallelism are one layer's input and are not counted.
+
+Only the first and the last stage need evaluating: a middle stage holds fewer parameters than the first and
+fewer micro-batches in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lslm.plan.activations import (
+    embedding_mask_bytes,
+    in_flight_layers,
+    last_stage_extra_bytes,
+    layer_activation_bytes,
+    layer_formula,
+)
+from lslm.plan.layout import Layout
+from lslm.plan.model import ModelSpec
+from lslm.plan.params import param_parts
+from lslm.plan.states import ModelStates, bytes_per_element, model_states
+from lslm.plan.terms import Term
+
+__all__ = ["StageMemory", "layer_params_per_rank", "most_loaded", "replicated_params", "stage_memory", "stage_params",
+           "stage_split"]
+
+KORTHIKANTI = "Korthikanti et al. 2022, Table 2 / §4.2.3 / §5"
+
+
+def layer_params_per_rank(model: ModelSpec, t: int) -> int:
+    """Parameters of one layer on one tensor-parallel rank (module doc: what is split, what replicated)."""
+    h, f = model.hidden, model.ffn
+    if model.arch == "gpt":
+        # LayerNorm weights (and biases) and the two row-parallel biases are replicated; the rest is split.
+        replicated = 6 * h if model.bias else 2 * h
+        return replicated + (param_parts(model).layer - replicated) // t
+    kv = model.kv_heads * model.head_dim
+    kv_shards = min(t, model.kv_heads)
+    return 2 * h + (2 * h * h + 3 * h * f) // t + 2 * h * kv // kv_shards
+
+
+def replicated_params(model: ModelSpec, layout: Layout, stage: int) -> int:
+    """Parameters of pipeline stage ``stage`` that every tensor-parallel rank holds whole: LayerNorm/RMSNorm
+    weights (and biases), the row-parallel biases, the position embedding and the final norm. Under sequence
+    parallelism each rank's gradient of them covers only its slice of the sequence, so they are summed over the
+    tensor-parallel group once per step (Korthikanti et al. 2022, §4.2.2)."""
+    h = model.hidden
+    per_layer = (6 * h if model.bias else 2 * h) if model.arch == "gpt" else 2 * h
+    total = model.n_layer // layout.pp * per_layer
+    if stage == 0:
+        total += model.positions * h
+    if stage == layout.pp - 1:
+        total += param_parts(model).final_norm
+    return total
+
+
+def stage_split(model: ModelSpec, layout: Layout, stage: int) -> tuple[int, int]:
+    """``(layers, root)``: parameters one tensor-parallel rank of pipeline stage ``stage`` holds in its
+    ``L/p`` layers, and outside them (embedding on the first stage; final norm and head on the last)."""
+    p, t = layout.pp, layout.tp
+    if not 0 <= stage < p:
+        raise ValueError(f"stage {stage} is outside 0..{p - 1}")
+    h = model.hidden
+    layers = model.n_layer // p * layer_params_per_rank(model, t)
+    word = -(-model.vocab // t) * h  # vocabulary-parallel: ceil(V/t) rows (the last rank's padded)
+    root = 0
+    if stage == 0:
+        root += word + model.positions * h
+    if stage == p - 1:
+        root += param_parts(model).final_norm
+        if not model.tied or p > 1:  # untied head, or the last stage's copy of the tied word embedding
+            root += word
+    return layers, root
+
+
+def stage_params(model: ModelSpec, layout: Layout, stage: int) -> int:
+    """Parameters one tensor-parallel rank of pipeline stage ``stage`` holds (module doc)."""
+    return sum(stage_split(model, layout, stage))
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes one device of pipeline stage ``stage`` needs at its peak, by owner."""
+
+    stage: int
+    params: int  #: parameters on this device before ZeRO sharding
+    states: ModelStates
+    activations: Term
+    activations_without_recompute: Term
+    buffers: dict[str, Term]
+
+    @property
+    def owners(self) -> dict[str, Term]:
+        """Every owner on the device: model states, activations, communication buffers."""
+        return {**self.states.device, "activations": self.activations, **self.buffers}
+
+    @property
+    def total(self) -> float:
+        """Peak bytes on the device."""
+        return sum(t.value for t in self.owners.values())
+
+
+def _activations(model: ModelSpec, layout: Layout, m: int, stage: int, recompute: str,
+                 mask_bytes: int) -> tuple[float, str]:
+    one = layer_activation_bytes(model, layout, recompute, mask_bytes=mask_bytes)
+    rank_layers = in_flight_layers(model, layout, m, stage)
+    total = rank_layers * one
+    formula = f"{rank_layers:g} layer-micro-batches in flight x [{layer_formula(model, layout, recompute)}]"
+    if stage == 0 and model.dropout and recompute != "full":
+        total += embedding_mask_bytes(model, layout, m, mask_bytes=mask_bytes)
+        formula += " + embedding dropout masks"
+    if stage == layout.pp - 1:
+        total += last_stage_extra_bytes(model, layout)
+        formula += " + final norm, head input and fp32 logits 4sbV/t"
+    if recompute != "none":
+        total += layer_activation_bytes(model, layout, "none", mask_bytes=mask_bytes) - one
+        formula += " + one layer recomputed during its backward"
+    return total, formula
+
+
+def stage_memory(model: ModelSpec, layout: Layout, m: int, stage: int, *, dp_rank: int = 0,
+                 mask_bytes: int = 1) -> StageMemory:
+    """Memory of one device of pipeline stage ``stage`` with ``m`` micro-batches per step (module doc).
+
+    ``mask_bytes``: a saved dropout mask's bytes per element (the hardware's ``dropout_mask_bytes``)."""
+    psi = stage_params(model, layout, stage)
+    states = model_states(psi, layout, rank=dp_rank)
+    with_r, f_with = _activations(model, layout, m, stage, layout.recompute, mask_bytes)
+    without, f_without = _activations(model, layout, m, stage, "none", mask_bytes)
+    acts = Term("activations", with_r, "B", f_with, KORTHIKANTI)
+    acts0 = Term("activations (no recompute)", without, "B", f_without, KORTHIKANTI)
+    width = bytes_per_element(layout)
+    n = layout.dp * layout.cp
+    bucket = layout.bucket_mb * 2**20
+    buffers: dict[str, Term] = {}
+    if layout.zero == 2 and n > 1:
+        staging = min(2 * bucket, width["gradients"] * psi)
+        buffers["zero-2 staging buckets"] = Term("zero-2 staging buckets", staging, "B",
+                                                 "2 buckets of gradients in flight (max_inflight = 2)", "lslm.zero")
+    if layout.zero == 3 and n > 1:
+        unit = layer_params_per_rank(model, layout.tp)
+        gathered = 2 * unit * width["parameters"] + unit * width["gradients"]
+        buffers["zero-3 gathered units"] = Term(
+            "zero-3 gathered units", gathered, "B",
+            "2 layers gathered (current + prefetched) x p + 1 layer of gradients staged x g",
+            "ZeRO §5.3; lslm.zero (one unit of look-ahead)")
+    if layout.pp > 1:
+        e = 2 if layout.precision != "fp32" else 4
+        region = layout.tp if layout.sequence_parallel else 1
+        recv = 2 * e * model.seq_len // layout.cp * model.micro_batch * model.hidden / region
+        buffers["pipeline receive buffers"] = Term("pipeline receive buffers", recv, "B",
+                                                   "an activation and a gradient: 2 x e·sbh (/t with SP)",
+                                                   "Narayanan et al. 2021 §2.2")
+    return StageMemory(stage, psi, states, acts, acts0, buffers)
+
+
+def most_loaded(model: ModelSpec, layout: Layout, m: int, *,
+                mask_bytes: int = 1) -> tuple[StageMemory, list[StageMemory]]:
+    """The first and last stages' memory, and whichever needs more (module doc)."""
+    stages = [stage_memory(model, layout, m, 0, mask_bytes=mask_bytes)]
+    if layout.pp > 1:
+        stages.append(stage_memory(model, layout, m, layout.pp - 1, mask_bytes=mask_bytes))
+    return max(stages, key=lambda s: s.total), stages
+

@@ -1,0 +1,96 @@
+"""Which layouts fit a device count and a device's memory, ranked by predicted step time.
+
+:func:`search` enumerates ``tp`` (divisors of the heads, at most one node), ``pp`` (divisors of the layers),
+``v`` (virtual stages, interleaved), ``dp = devices / (tp · pp)``, the ZeRO stage, recomputation and the
+micro-batch; sequence parallelism is on whenever ``tp > 1`` (it only saves memory at the same volume of
+communication, Korthikanti et al. 2022 §4.2.2). Every candidate goes through :func:`lslm.plan.estimate`, so
+each ranked answer carries the whole traced table; layouts that cannot run (a batch that does not split, an
+interleaving that needs more micro-batches) are skipped, not reported, and so, unless asked for, are ZeRO-2/3
+with pipeline parallelism (no framework runs them). :func:`sizing_answers` answers the course's questions
+(:data:`SIZING_QUESTIONS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lslm.plan.estimate import Estimate, estimate
+from lslm.plan.hardware import Hardware
+from lslm.plan.layout import Layout
+from lslm.plan.model import ModelSpec, model_presets
+
+__all__ = ["SIZING_QUESTIONS", "search", "sizing_answers"]
+
+#: The course's sizing questions: a published model on a device count (our choice: GPT-3 on 1024 devices, the count
+#: Narayanan et al. 2021 §5.1 size its training on; Llama-2 70B on 8 nodes; Llama-3 8B on one node of 8).
+SIZING_QUESTIONS = {"gpt3-175b": 1024, "llama2-70b": 64, "llama3-8b": 8}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(model: ModelSpec, hardware: Hardware, devices: int, *, precision: str = "bf16",
+           zero_stages: Sequence[int] = (0, 1, 2, 3), recompute: Sequence[str] = ("none", "selective", "full"),
+           micro_batches: Sequence[int] = (1, 2, 4, 8), virtual_stages: Sequence[int] = (1, 2, 4),
+           max_tp: int | None = None, flash_attention: bool = False, zero_with_pp: bool = False, top: int = 10,
+           fitting_only: bool = True) -> list[Estimate]:
+    """The ``top`` layouts of ``model`` on ``devices`` devices of ``hardware``, fastest first (module doc).
+
+    ``max_tp`` defaults to ``hardware.devices_per_node`` (tensor parallelism across nodes is rarely worth it,
+    and the calculator would price it on the inter-node link). ``fitting_only=False`` also ranks layouts that
+    do not fit (to see how far off they are). ``flash_attention``: every layout keeps no ``s^2`` tensors
+    (what a fused attention kernel does; the paper's default, False, keeps them). ``zero_with_pp``: also try
+    ZeRO-2/3 with pipeline parallelism, which DeepSpeed refuses and Megatron does not offer (their gradients,
+    and stage 3's parameters, would cross the data-parallel group every micro-batch); off by default.
+    """
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be an int >= 1, got {devices!r}")
+    if top < 1:
+        raise ValueError(f"top must be >= 1, got {top}")
+    max_tp = hardware.devices_per_node if max_tp is None else max_tp
+    found: list[Estimate] = []
+    for tp in _divisors(devices):
+        if tp > max_tp or model.n_head % tp:
+            continue
+        for pp in _divisors(devices // tp):
+            if model.n_layer % pp:
+                continue
+            dp = devices // (tp * pp)
+            for mb in micro_batches:
+                if model.global_batch % (dp * mb):
+                    continue
+                spec = model.with_batch(micro_batch=mb)
+                for v in virtual_stages if pp > 1 else (1,):
+                    for zero in zero_stages:
+                        if zero and dp == 1:
+                            continue  # ZeRO shards over data-parallel ranks: nothing to shard
+                        if zero >= 2 and pp > 1 and not zero_with_pp:
+                            continue
+                        for rc in recompute:
+                            layout = Layout(dp=dp, tp=tp, pp=pp, v=v, zero=zero, sequence_parallel=tp > 1,
+                                            recompute=rc, precision=precision, flash_attention=flash_attention)
+                            try:
+                                est = estimate(spec, layout, hardware, devices)
+                            except ValueError:
+                                continue  # this combination cannot run (module doc)
+                            if est.fits or not fitting_only:
+                                found.append(est)
+    found.sort(key=lambda e: (e.step_s, e.peak_bytes))
+    return found[:top]
+
+
+
+def sizing_answers(hardware: Hardware, *, top: int = 3, flash_attention: bool | None = None,
+                   **options: Any) -> dict[str, list[Estimate]]:
+    """:data:`SIZING_QUESTIONS` answered on ``hardware``: each model's ``top`` layouts by :func:`search`
+    (``options`` are its keywords). ``flash_attention=None``: Llama models with it (as they are trained), GPT
+    models without (as Korthikanti et al. account them)."""
+    presets = model_presets()
+    answers = {}
+    for name, devices in SIZING_QUESTIONS.items():
+        model = presets[name]
+        flash = model.arch == "llama" if flash_attention is None else flash_attention
+        answers[name] = search(model, hardware, devices, flash_attention=flash, top=top, **options)
+    return answers

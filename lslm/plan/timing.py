@@ -1,0 +1,158 @@
+"""Time per step: compute at the device's rate, each axis's communication (alpha-beta), the pipeline bubble.
+
+**Flops** (Narayanan et al. 2021, §5.1 and Appendix): one layer's forward on ``B`` sequences of ``s`` tokens is
+``2 B s P_mm`` for its matrix multiplications (``P_mm = 12 h^2`` for GPT: ``24 B s h^2``) plus ``4 B s^2 h`` for
+the attention scores and their product with the values (causal masking not discounted, as they count); the
+head ``2 B s h V``; backward twice the forward. Summed: ``72 B s L h^2 (1 + s/(6h) + V/(12 h L))`` per step
+(their equation without recomputation), ``96 B s L h^2 (1 + s/(6h) + V/(16 h L))`` with full recomputation
+(a second forward of every layer). Selective recomputation repeats only the attention core (``4 B s^2 h``
+per layer). A device does ``1/(t · cp)`` of its stage's layers' work (and of the head, vocabulary-parallel).
+
+**The step** of the most loaded stage, 1F1B or interleaved, ``m`` micro-batches, ``T_mb`` one micro-batch's
+forward + backward (+ recompute) of the stage::
+
+    compute = m · T_mb              bubble = (p - 1)/v · T_mb    (fraction (p - 1)/(v m), Narayanan §2.2)
+    step    = compute + bubble + tp + pp + exposed dp
+
+Tensor-parallel and pipeline communication is on the critical path (not overlapped: lslm's, and Megatron's
+without its overlap options); data-parallel communication is overlapped with the backward of the last
+micro-batch where it can be: stage 0's all-reduce and stage 1's reduce-scatter start during that backward,
+stage 2's per-micro-batch reduce-scatters during each micro-batch's backward, and the all-gather of stages
+1-2 follows the optimizer step (exposed); stage 3's per-micro-batch gathers and reduce-scatters
+are prefetched behind that micro-batch's compute (exposed only beyond it). The optimizer step itself, and
+offload's host transfers and CPU Adam, are not timed.
+
+**Roofline verdicts** (the reasoning of the JAX scaling book, "How to Scale Your Model": its rooflines chapter
+and its chapter on parallelising a transformer for training): an axis is
+*communication-bound* when its communication takes longer than the computation it could hide behind, so
+that no overlap can save it: tensor parallelism per layer and micro-batch against that layer's compute;
+pipeline sends per micro-batch against the stage's compute for it; data parallelism per step against the
+step's backward (the most an ideal overlap could hide behind). ``ratio = T_comm / T_compute``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lslm.plan.comm import AxisComm
+from lslm.plan.hardware import Hardware
+from lslm.plan.layout import Layout
+from lslm.plan.model import ModelSpec
+from lslm.plan.terms import Term
+
+__all__ = ["Verdict", "layer_forward_flops", "model_flops", "narayanan_flops", "step_time"]
+
+NARAYANAN = "Narayanan et al. 2021, §5.1"
+
+
+def _matmul_params(model: ModelSpec) -> int:
+    h, f = model.hidden, model.ffn
+    if model.arch == "gpt":
+        return 4 * h * h + 2 * h * f
+    kv = model.kv_heads * model.head_dim
+    return 2 * h * h + 2 * h * kv + 3 * h * f
+
+
+def layer_forward_flops(model: ModelSpec, sequences: int = 1) -> tuple[float, float]:
+    """(matrix multiplications, attention core) flops of one layer's forward on ``sequences`` sequences."""
+    s = model.seq_len
+    return 2 * sequences * s * _matmul_params(model), 4 * sequences * s * s * model.hidden
+
+
+def model_flops(model: ModelSpec, recompute: str = "none", sequences: int | None = None) -> float:
+    """Flops of one training step on ``sequences`` (default ``global_batch``) sequences (module doc)."""
+    sequences = model.global_batch if sequences is None else sequences
+    mm, core = layer_forward_flops(model, sequences)
+    head = 2 * sequences * model.seq_len * model.hidden * model.vocab
+    extra = {"none": 0.0, "selective": core, "full": mm + core}[recompute]
+    return model.n_layer * (3 * (mm + core) + extra) + 3 * head
+
+
+def narayanan_flops(model: ModelSpec, full_recompute: bool = False) -> float:
+    """Narayanan et al. 2021's closed form for a GPT step (``72`` or ``96 B s L h^2 (...)``, module doc)."""
+    B, s, L, h, V = model.global_batch, model.seq_len, model.n_layer, model.hidden, model.vocab
+    if full_recompute:
+        return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * h * L))
+    return 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether an axis is communication-bound: its time against the compute it could hide behind."""
+
+    axis: str
+    comm_s: float
+    compute_s: float
+    scope: str  #: what is compared, e.g. "per layer and micro-batch"
+
+    @property
+    def ratio(self) -> float:
+        """``T_comm / T_compute`` (inf without compute)."""
+        return self.comm_s / self.compute_s if self.compute_s > 0 else float("inf")
+
+    @property
+    def comm_bound(self) -> bool:
+        """True when communication takes longer than the computation it could overlap."""
+        return self.comm_s > self.compute_s
+
+
+def _stage_microbatch_s(model: ModelSpec, layout: Layout, hw: Hardware) -> tuple[float, float, float]:
+    """(forward+backward+recompute, backward, one layer's F+B+R) seconds of one micro-batch on one device of the
+    last pipeline stage (its layers and the head)."""
+    rate = hw.flops(layout.precision)
+    shard = layout.tp * layout.cp
+    mm, core = layer_forward_flops(model, model.micro_batch)
+    extra = {"none": 0.0, "selective": core, "full": mm + core}[layout.recompute]
+    layer = (3 * (mm + core) + extra) / shard
+    layers = model.n_layer // layout.pp
+    head = 2 * model.micro_batch * model.seq_len * model.hidden * model.vocab / shard
+    total = (layers * layer + 3 * head) / rate
+    backward = (layers * 2 * (mm + core) / shard + 2 * head) / rate
+    return total, backward, layer / rate
+
+
+def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
+              comm: dict[str, AxisComm | None]) -> tuple[dict[str, Term], list[Verdict]]:
+    """Time terms of one step on the most loaded stage, and a verdict per axis (module doc)."""
+    # The last stage has the head on top of the same layers: it sets the pace of the pipeline.
+    t_mb, t_bwd, t_layer = _stage_microbatch_s(model, layout, hw)
+    p, v = layout.pp, layout.v
+    compute = m * t_mb
+    bubble = (p - 1) / v * t_mb
+    times = {"compute": Term("compute", compute, "s", "m · T_mb (6N-style flops + attention, at peak x efficiency)",
+                             NARAYANAN),
+             "bubble": Term("pipeline bubble", bubble, "s", f"(p - 1)/v · T_mb = {(p - 1) / (v * m):.4f} of compute",
+                            "Narayanan et al. 2021, §2.2 (1F1B, interleaved)")}
+    verdicts = []
+    tp, pp, dp = comm["tp"], comm["pp"], comm["dp"]
+    layers = model.n_layer // p
+    if tp is not None and tp.group > 1:
+        times["tp"] = Term("tensor-parallel communication", tp.time_s, "s", "alpha-beta, not overlapped",
+                           "Shoeybi et al. 2019; Korthikanti et al. 2022")
+        per_layer = sum(c.time_s for c in tp.collectives if c.label.startswith("layer")) / (layers * m)
+        verdicts.append(Verdict("tp", per_layer, t_layer, "per layer and micro-batch"))
+    if pp is not None and pp.group > 1:
+        times["pp"] = Term("pipeline communication", pp.time_s, "s", "alpha-beta per send, not overlapped",
+                           "Narayanan et al. 2021")
+        verdicts.append(Verdict("pp", pp.time_s / m, t_mb, "per micro-batch"))
+    if dp is not None and dp.group > 1:
+        if layout.zero == 3:
+            per_mb = dp.time_s / m  # everything moves every micro-batch, prefetched behind its compute
+            exposed = m * max(0.0, per_mb - t_mb)
+            how = "m · max(0, per-micro-batch gathers and reduce-scatters - T_mb)"
+            verdicts.append(Verdict("dp", per_mb, t_mb, "per micro-batch (prefetched behind its compute)"))
+        else:
+            reduce = sum(c.time_s for c in dp.collectives if "gather" not in c.label)
+            gather = dp.time_s - reduce
+            if layout.zero == 2:  # each micro-batch's reduce-scatter hides behind that micro-batch's backward
+                exposed = m * max(0.0, reduce / m - t_bwd) + gather
+                how = "m · max(0, reduce-scatter - its backward) + all-gather"
+            else:  # one reduction per step, behind the last micro-batch's backward
+                exposed = max(0.0, reduce - t_bwd) + gather
+                how = "max(0, reduction - last backward)" + (" + all-gather" if gather else "")
+            verdicts.append(Verdict("dp", dp.time_s, m * t_bwd, "per step, against the step's backward"))
+        times["dp"] = Term("data-parallel communication (exposed)", exposed, "s",
+                           f"{how}; {dp.time_s:.3g} s in all", "Rajbhandari et al. 2020; Li et al. 2020 §3.2.3")
+    times["step"] = Term("step", sum(t.value for t in times.values()), "s",
+                         "compute + bubble + tp + pp + exposed dp", "this module")
+    return times, verdicts

@@ -1,0 +1,179 @@
+"""Workers for tests/test_context_parallel.py: every multi-process check of one world size in one launch.
+
+Each check returns plain numbers (max |Δ| against a single-process reference computed on the
+same rank from the same seed, bytes from this rank's ledger records); the test asserts on them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lslm.context_parallel import (
+    CPGroup,
+    CPPlan,
+    apply_context_parallel,
+    context_parallel_loss,
+    cp_traffic,
+    local_positions,
+    reduce_context_parallel_grads,
+    ring_attention,
+    shard_batch,
+    ulysses_attention,
+)
+from lslm.context_parallel.apply import ContextParallelAttention
+from lslm.metrics import ActivationMemory
+from lslm.models.gpt import GPT, Block, GPTConfig
+from lslm.runtime import init_distributed
+from lslm.runtime.context import ParallelContext
+
+B, H, T, D = 2, 4, 16, 8
+CORES = {"ring": ring_attention, "ulysses": ulysses_attention}
+PLANS = [("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "contiguous"), ("ulysses", "zigzag")]
+
+
+def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def attention_cases(ctx: ParallelContext) -> list[dict[str, Any]]:
+    """Ring / zig-zag ring / Ulysses vs full attention: output, dq, dk, dv, and the bytes the ledger saw."""
+    g, dev = CPGroup.of(ctx), ctx.device
+    gen = torch.Generator().manual_seed(0)  # drawn on the CPU (same numbers everywhere), then moved
+    q, k, v, dout = (torch.randn(B, H, T, D, generator=gen).to(dev) for _ in range(4))
+    rows = []
+    for method, layout in PLANS:
+        for causal in (True, False):
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = F.scaled_dot_product_attention(*full, is_causal=causal)
+            ref.backward(dout)
+            pos = local_positions(T, g.size, g.index, layout, device=dev)
+            mine = [t.index_select(2, pos).requires_grad_() for t in (q, k, v)]
+            records = ctx.comm.ledger.records
+            start = len(records)
+            out = CORES[method](*mine, g, causal=causal, layout=layout)
+            mid = len(records)
+            out.backward(dout.index_select(2, pos))
+            op = "send" if method == "ring" else "all_to_all"
+            rows.append({
+                "method": method, "layout": layout, "causal": causal, "cp": g.size,
+                "out": _maxdiff(out, ref.index_select(2, pos)),
+                "grad": max(_maxdiff(m.grad, f.grad.index_select(2, pos)) for m, f in zip(mine, full)),
+                "dq": _maxdiff(mine[0].grad, full[0].grad.index_select(2, pos)),
+                "forward_bytes": sum(r.nbytes for r in records[start:mid] if r.op == op),
+                "backward_bytes": sum(r.nbytes for r in records[mid:] if r.op == op),
+                "other_ops": sorted({r.op for r in records[start:]} - {op, "recv"}),
+            })
+    return rows
+
+
+def block_cases(ctx: ParallelContext) -> list[dict[str, Any]]:
+    """One GPT block with the attention core swapped vs the serial block: output, input and parameter gradients."""
+    g, dev = CPGroup.of(ctx), ctx.device
+    cfg = GPTConfig.tiny(n_embd=32, n_head=4, block_size=T)
+    torch.manual_seed(0)
+    serial = Block(cfg).to(dev)
+    gen = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(2, T, 32, generator=gen).to(dev), torch.randn(2, T, 32, generator=gen).to(dev)
+    xs = x.clone().requires_grad_()
+    y = serial(xs)
+    y.backward(dy)
+    rows = []
+    for method, layout in PLANS:
+        block = copy.deepcopy(serial)
+        block.zero_grad()
+        block.attn = ContextParallelAttention(block.attn, g, CPPlan(method, layout))
+        pos = local_positions(T, g.size, g.index, layout, device=dev)
+        xl = x.index_select(1, pos).requires_grad_()
+        yl = block(xl)
+        yl.backward(dy.index_select(1, pos))
+        flat = torch.cat([p.grad.flatten() for p in block.parameters()])
+        ctx.comm.all_reduce(flat, group=ctx.cp_group)  # every rank saw only its tokens: the sum is the gradient
+        want = torch.cat([p.grad.flatten() for p in serial.parameters()])
+        rows.append({"method": method, "layout": layout, "cp": g.size, "out": _maxdiff(yl, y.index_select(1, pos)),
+                     "grad_x": _maxdiff(xl.grad, xs.grad.index_select(1, pos)), "grad_params": _maxdiff(flat, want)})
+    return rows
+
+
+def _data(cfg: GPTConfig, batch: int, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
+    targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
+    targets[targets % 7 == 0] = -100  # uneven token counts per rank: the loss must count the whole batch
+    return idx.to(device), targets.to(device)
+
+
+def training(ctx: ParallelContext, method: str, layout: str, steps: int = 3) -> dict[str, Any]:
+    """GPT trained ``steps`` SGD steps under dp × cp vs serially on the whole batch: losses and parameters."""
+    cfg = GPTConfig.tiny(block_size=32)
+    idx, targets = _data(cfg, 2 * ctx.dp_size, 32, ctx.device)
+    torch.manual_seed(0)
+    serial = GPT(cfg).to(ctx.device)
+    model = apply_context_parallel(copy.deepcopy(serial), ctx, CPPlan(method, layout))
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    rows = slice(2 * ctx.dp_rank, 2 * ctx.dp_rank + 2)
+    idx_l, tgt_l = shard_batch(ctx, layout, idx[rows], targets[rows])
+    losses_s, losses = [], []
+    for _ in range(steps):
+        opt_s.zero_grad()
+        _, loss = serial(idx, targets)
+        loss.backward()
+        opt_s.step()
+        losses_s.append(loss.item())
+        opt.zero_grad()
+        logits, _ = model(idx_l)
+        loss, reported = context_parallel_loss(logits, tgt_l, ctx)
+        loss.backward()
+        reduce_context_parallel_grads(model, ctx)
+        opt.step()
+        losses.append(reported.item())
+    ps, pm = serial.state_dict(), model.state_dict()
+    return {"method": method, "layout": layout, "dp": ctx.dp_size, "cp": ctx.cp_size, "losses": losses,
+            "serial_losses": losses_s, "same_keys": list(ps) == list(pm),
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, losses_s)),
+            "param_diff": max(_maxdiff(ps[name], pm[name]) for name in ps)}
+
+
+def activation_bytes(ctx: ParallelContext, method: str) -> int:
+    """Bytes autograd saves for one forward + loss of the context-parallel GPT on this rank's slice."""
+    cfg = GPTConfig.tiny(block_size=32)
+    idx, targets = _data(cfg, 2, 32, ctx.device)
+    torch.manual_seed(0)
+    model = apply_context_parallel(GPT(cfg).to(ctx.device), ctx, CPPlan(method, "zigzag"))
+    idx_l, tgt_l = shard_batch(ctx, "zigzag", idx, targets)
+    with ActivationMemory(model) as act:
+        logits, _ = model(idx_l)
+        loss, _ = context_parallel_loss(logits, tgt_l, ctx)
+    loss.backward()
+    return act.bytes
+
+
+def traffic(cp: int) -> dict[str, int]:
+    """The formula for the shapes of :func:`attention_cases`."""
+    return cp_traffic(B, H, T, D, cp)
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))  # set by the launcher before init_distributed reads it
+
+
+def suite() -> dict[str, Any]:
+    """Every check at cp = world size; at 4 processes also dp = 2 × cp = 2 training; cp = 1 for the memory ratio."""
+    with init_distributed(cp=_world()) as ctx:
+        out: dict[str, Any] = {"rank": ctx.rank, "attention": attention_cases(ctx), "block": block_cases(ctx),
+                               "traffic": traffic(ctx.cp_size)}
+        out["training"] = [training(ctx, m, lay) for m, lay in (("ring", "zigzag"), ("ring", "contiguous"),
+                                                                ("ulysses", "zigzag"))]
+        out["activations"] = {m: activation_bytes(ctx, m) for m in CORES}
+        one = ctx.with_grid(cp=1)
+        out["activations_cp1"] = {m: activation_bytes(one, m) for m in CORES}
+        if ctx.world_size == 4:
+            two = ctx.with_grid(dp=2, cp=2)
+            out["training"] += [training(two, m, lay) for m, lay in (("ring", "zigzag"), ("ulysses", "contiguous"))]
+        return out
+
