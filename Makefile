@@ -13,6 +13,7 @@
 #                is the CUDA build, so GPU users need nothing else; for another CUDA
 #                version use e.g. TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu126"
 #   TORCH_INDEX  extra pip arguments for the torch install
+#   DEEPSPEED    the DeepSpeed requirement, installed after torch (must match pyproject.toml's pin)
 #   PORT         JupyterLab port;  LAB_ARGS  extra `jupyter lab` arguments
 #   PYTEST_ARGS  extra pytest arguments (e.g. PYTEST_ARGS="tests/test_grid.py -x")
 
@@ -21,6 +22,10 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 PORT ?= 8888
+# DeepSpeed (the [test] extra pins the same version): an sdist whose setup imports torch, so it is installed after
+# torch, against it (--no-build-isolation: otherwise pip would build it against a fresh CUDA torch), with
+# DS_BUILD_OPS=0 (its C++ ops compile on first use, into .venv/torch_extensions; see lslm.integrations.deepspeed_zero)
+DEEPSPEED ?= deepspeed==0.19.8
 LAB_ARGS ?=
 PYTEST_ARGS ?=
 
@@ -34,6 +39,8 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "lslm needs Python >= 3.10; set PYTHON=python3.x")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet "$(TORCH)" $(TORCH_INDEX)
+	$(BIN)/python -m pip install --quiet "setuptools>=64" wheel  # what a build without isolation needs (3.12's venv has none)
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install --quiet --no-build-isolation $(DEEPSPEED)
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 

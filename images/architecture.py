@@ -50,7 +50,7 @@ GIST = {
     "bench": "side-by-side\nbenchmarks",
     "demos": "what the notebooks\nlaunch",
     "exercises": "checkers, hints,\nsolutions",
-    "integrations": "torchrun scripts,\nLightning, Accelerate",
+    "integrations": "torchrun scripts, Lightning,\nAccelerate, DeepSpeed",
     "cli": "the lslm command",
 }
 COLOURS = ["#e8eef7", "#dcebdc", "#fdf0d5", "#e9e1f3", "#fde2e0", "#e0f0f3", "#f1eadf", "#eeeeee"]

@@ -14,9 +14,10 @@ The package behind the course notebooks (the README's "The package" lists the sa
 5. ``lslm.precision`` (loss scaling, master weights, fp16 / bf16), ``lslm.tensor_parallel`` (Megatron-style layers
    and ``apply_tensor_parallel``), ``lslm.pipeline`` (schedules, executor, simulator, 2BW);
 6. ``lslm.recipes`` (training recipes on the harness), ``lslm.plot`` (the figures);
-7. ``lslm.bench`` (side-by-side benchmarks, ``lslm bench``), ``lslm.demos`` (what the notebooks launch),
-   ``lslm.exercises`` (checkers, hints, solutions), ``lslm.integrations`` (torchrun scripts, Lightning, Accelerate);
-8. ``lslm.cli``: the ``lslm`` command.
+7. ``lslm.integrations`` (torchrun scripts, Lightning, Accelerate, DeepSpeed's ZeRO engine);
+8. ``lslm.bench`` (side-by-side benchmarks, ``lslm bench``), ``lslm.demos`` (what the notebooks launch),
+   ``lslm.exercises`` (checkers, hints, solutions);
+9. ``lslm.cli``: the ``lslm`` command.
 
 ``lslm.launch``, ``lslm.LaunchError``, ``lslm.LaunchTimeout`` and ``lslm.LaunchResults`` are
 :mod:`lslm.launcher`'s, imported on first use.

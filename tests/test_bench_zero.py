@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lslm.bench import zero
+from lslm.integrations.deepspeed_zero import deepspeed_available
 
 
 @pytest.fixture(scope="module")
@@ -12,11 +13,15 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("bench-zero")
     res = zero.run((2,), quick=True, steps=1, out_dir=out)[2]
     assert {p.name for p in out.iterdir()} == {"zero.txt", "zero.json", "zero.png"}
+    res["text"] = (out / "zero.txt").read_text()
     return res
 
 
 def test_every_entry_trains_the_same_run_as_ddp(result: dict) -> None:
-    assert [r["entry"] for r in result["rows"]] == list(zero.ENTRIES)
+    ok, why = deepspeed_available()
+    ran = [e for e in zero.ENTRIES if ok or e not in zero.DEEPSPEED_ENTRIES]
+    assert [r["entry"] for r in result["rows"]] == ran
+    assert result["skipped"] == ({} if ok else {e: why for e in zero.DEEPSPEED_ENTRIES})
     for r in result["rows"]:  # fp32 at 2 ranks: one order for every sum, the same AdamW arithmetic
         assert r["max_loss_diff_vs_ddp"] == 0.0, r["entry"]
 
@@ -38,6 +43,55 @@ def test_model_states_per_rank_follow_the_stages(result: dict) -> None:
     assert rows["zero1"]["rs_bytes"] == rows["zero1"]["ag_bytes"] >= 4 * psi
     assert rows["zero3"]["ag_bytes"] > rows["zero3"]["rs_bytes"]
     assert rows["zero3-offload"]["offload_bytes"]["to_host"] == rows["zero3-offload"]["masters_bytes"]
+    # torch's dispatcher sees the same reduce-scatters and all-gathers as lslm's ledger, and FSDP2 moves as much
+    for entry in ("zero1", "zero2", "zero3"):
+        seen = rows[entry]["collectives"]
+        assert seen["reduce_scatter"][1] == rows[entry]["rs_bytes"] and seen["all_gather"][1] == rows[entry]["ag_bytes"]
+    assert rows["fsdp2"]["collectives"]["all_gather"][1] == rows["zero3"]["ag_bytes"]
+
+
+def test_deepspeed_rows_count_its_partitions(result: dict) -> None:
+    """DeepSpeed's rows by the same owners (lslm.integrations.deepspeed_zero's doc explains each term), and the
+    last line's stage 3 / DeepSpeed ratio."""
+    if result["skipped"]:
+        pytest.skip(next(iter(result["skipped"].values())))
+    rows = {r["entry"]: r for r in result["rows"]}
+    psi = result["num_parameters"]
+    pad = 4 * 2 * 2  # two parameter groups, each flat partition padded to a multiple of N = 2 elements
+    for entry in ("deepspeed1", "deepspeed2"):  # whole fp32 weights + an fp32 copy of the partition + Adam's 1/2
+        r = rows[entry]
+        assert r["params_bytes"] == 4 * psi and r["grads_bytes"] == 0
+        assert 2 * psi <= r["masters_bytes"] <= 2 * psi + pad and 4 * psi <= r["optimizer_bytes"] <= 4 * psi + 2 * pad
+    for entry, grads in (("deepspeed3", 2), ("deepspeed3-offload", 4)):  # offload: a host copy of the gradients too
+        r = rows[entry]
+        for owner, per in (("params_bytes", 2), ("grads_bytes", grads), ("masters_bytes", 2), ("optimizer_bytes", 4)):
+            assert per * psi <= r[owner] <= per * psi + 2 * pad, (entry, owner)
+    for entry in zero.DEEPSPEED_ENTRIES:  # its collectives bypass lslm's ledger: no ledger bytes claimed
+        assert rows[entry]["rs_bytes"] is None and rows[entry]["ag_bytes"] is None
+    # ... but torch's dispatcher sees them. Stages 1-2: gradients all-reduced (+ 8 bytes of flags), then the whole
+    # flat fp32 buffer all-gathered, one call per parameter group. Stage 3: the whole padded buffer reduce-scattered
+    # once; gathered once here, since DeepSpeed keeps gathered parameters until the step while they fit its
+    # stage3_max_live_parameters (1e9 by default): 2Ψ of traffic for this model, not 3Ψ.
+    for entry in ("deepspeed1", "deepspeed2"):
+        seen, r = rows[entry]["collectives"], rows[entry]
+        assert seen["all_gather"] == [2, r["params_bytes"]] and 0 <= seen["all_reduce"][1] - r["params_bytes"] <= 16
+    for entry in ("deepspeed3", "deepspeed3-offload"):
+        seen, r = rows[entry]["collectives"], rows[entry]
+        assert seen["reduce_scatter"][1] == seen["all_gather"][1] == 2 * r["params_bytes"]
+    last = result["text"].strip().splitlines()[-1]
+    assert "zero3/deepspeed3 p=2" in last and "zero3-offload/deepspeed3-offload p=2" in last
+
+
+def test_deepspeed_entries_skip_with_the_reason(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                                                tmp_path) -> None:
+    from lslm.integrations import deepspeed_zero
+
+    monkeypatch.setattr(deepspeed_zero, "deepspeed_available", lambda build=True: (False, "no C++ compiler"))
+    res = zero.run((2,), quick=True, steps=1, warmup=0, entries=("zero1", "deepspeed3"), out_dir=tmp_path)[2]
+    assert [r["entry"] for r in res["rows"]] == ["zero1"] and res["skipped"] == {"deepspeed3": "no C++ compiler"}
+    assert "deepspeed3: skipped (no C++ compiler)" in (tmp_path / "zero.txt").read_text()
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        zero.run((2,), quick=True, entries=("deepspeed1",), out_dir=None)
 
 
 def test_the_offload_table_reads_its_rows() -> None:

@@ -48,6 +48,19 @@ def test_environment_yml_mirrors_pyproject() -> None:
     assert python_pin == "python" + project["requires-python"]
 
 
+def test_makefile_installs_the_pinned_deepspeed_after_torch() -> None:
+    """DeepSpeed's sdist builds against the installed torch: the Makefile installs pyproject's pin after torch,
+    without build isolation (else pip would build it against a fresh torch: the CUDA one on Linux)."""
+    make = (ROOT / "Makefile").read_text()
+    pin = re.search(r"^DEEPSPEED \?= (\S+)$", make, re.M)
+    assert pin is not None
+    test_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    assert pin.group(1) in test_extra
+    steps = ('"$(TORCH)"', "--no-build-isolation $(DEEPSPEED)", '-e ".[test]"')
+    torch_at, ds_at, rest_at = (make.index(step) for step in steps)
+    assert torch_at < ds_at < rest_at and "DS_BUILD_OPS=0 $(BIN)/python -m pip install" in make
+
+
 def test_ci_runs_the_readme_test_command() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "make test" in readme and "make lab" in readme

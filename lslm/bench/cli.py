@@ -130,7 +130,8 @@ def _zero_options(p: argparse.ArgumentParser) -> None:
                    help="tiny model, few steps: checks structure, memory and counts, timings meaningless")
     p.add_argument("--entries", nargs="+", default=None, metavar="ENTRY",
                    help="which entries to run (default: all: ddp zero1 zero2 zero3 zero3-offload zero3-disk "
-                        "torch-zero1 fsdp2 fsdp2-offload)")
+                        "torch-zero1 fsdp2 fsdp2-offload deepspeed1 deepspeed2 deepspeed3 deepspeed3-offload; "
+                        "DeepSpeed's are skipped, with the reason, where it cannot run)")
     _out(p, "zero")
     _device(p)
 
@@ -164,12 +165,14 @@ _BENCHES: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None], s
                  "in one launch per world size (= pipeline size), at each number of micro-batches; reports step "
                  "times, the lslm / torch ratio, and lslm's measured bubble fraction next to the simulated one.",
                  _pipeline_options, "lslm bench pipeline --quick --nprocs 2 --microbatches 4"),
-    "zero": ("lslm's ZeRO stages 1-3 (and CPU offload) next to torch DDP, ZeroRedundancyOptimizer and FSDP2",
+    "zero": ("lslm's ZeRO stages 1-3 (and CPU offload) next to torch DDP, ZeroRedundancyOptimizer, FSDP2 and "
+             "DeepSpeed",
              "Trains the same GPT with torch DDP, lslm's ZeroOptimizer at stages 1, 2, 3 and 3 with CPU offload, "
-             "torch's ZeroRedundancyOptimizer and FSDP2 fully_shard (with and without CPUOffloadPolicy), "
-             "round-robin in one launch per world size; reports step time and its phases, model-state bytes per "
-             "rank by owner, lslm's reduce-scatter and all-gather bytes per step, and the lslm / peer step-time "
-             "ratios (stage 1 / ZeroRedundancyOptimizer, stage 3 / FSDP2).",
+             "torch's ZeroRedundancyOptimizer, FSDP2 fully_shard (with and without CPUOffloadPolicy) and "
+             "DeepSpeed's ZeRO engine at stages 1-3 (3 also with CPU offload), round-robin in one launch per world "
+             "size; reports step time and its phases, model-state bytes per rank by owner, lslm's reduce-scatter "
+             "and all-gather bytes per step, and the lslm / peer step-time ratios (stage 1 / "
+             "ZeroRedundancyOptimizer, stage 3 / FSDP2, stage 3 / DeepSpeed stage 3).",
              _zero_options, "lslm bench zero --quick --nprocs 2"),
 }
 

@@ -6,18 +6,21 @@ seed and, in turn, each entry: torch ``DistributedDataParallel`` (the baseline),
 files in a temporary folder, streamed in chunks),
 torch's ``ZeroRedundancyOptimizer`` over DDP (ZeRO-1 by whole parameters), FSDP2
 ``fully_shard`` per block then the root (ZeRO-3 by per-parameter dim-0 chunks), and FSDP2
-with ``CPUOffloadPolicy(pin_memory=False)``. All train fp32 AdamW (``foreach=False``) on the
+with ``CPUOffloadPolicy(pin_memory=False)``, and DeepSpeed's ZeRO engine at stages 1, 2, 3 and 3 with the
+optimizer and parameters on the host (:mod:`lslm.integrations.deepspeed_zero`; skipped, with the reason, where
+DeepSpeed cannot run here). All train fp32 AdamW (``foreach=False``) on the
 same tokens, each rank its share of the batch; the bench runner
 (:func:`lslm.harness.run_variants`) runs them round-robin, a barrier before each step, a step
 costing its slowest rank's time, medians after warm-up rounds.
 
 Per entry and rank, also: bytes by owner after a step (parameters, gradients, fp32 masters,
-optimizer states; local shards of FSDP2's DTensors; torch DDP's own bucket copy of the
-gradients is not visible from outside and not counted), one step's collectives and bytes
-where lslm's ledger sees them (lslm's entries), offload bytes, and the largest loss
-difference from DDP over the run (rounding). The last printed line is the step-time ratios
-the issue targets: stage 1 / ZeroRedundancyOptimizer and stage 3 / FSDP2 (DeepSpeed is not
-part of this environment yet).
+optimizer states; local shards of FSDP2's DTensors; DeepSpeed's partitions by
+:func:`lslm.metrics.held.held_by_owner`'s rule; torch DDP's own bucket copy of the gradients and DeepSpeed's
+staging buffers are communication buffers, not counted), one step's collectives and bytes
+where lslm's ledger sees them (lslm's entries: torch's and DeepSpeed's collectives bypass it; every entry's, by
+kind, as torch's dispatcher sees them: :func:`~lslm.metrics.dispatched_collectives.count_collectives`), offload bytes,
+and the largest loss difference from DDP over the run (rounding). The last printed line is the step-time
+ratios the issue targets: stage 1 / ZeroRedundancyOptimizer, stage 3 / FSDP2 and stage 3 / DeepSpeed stage 3.
 """
 
 from __future__ import annotations
@@ -33,14 +36,18 @@ from lslm.bench.checks import at_least, world_sizes
 from lslm.bench.devices import device_env
 from lslm.harness import Report, StepTimer, Variant, run_variants
 
-__all__ = ["BENCH_MODEL", "ENTRIES", "QUICK_MODEL", "plot", "print_table", "ratios", "run", "worker"]
+__all__ = ["BENCH_MODEL", "DEEPSPEED_ENTRIES", "ENTRIES", "QUICK_MODEL", "plot", "print_table", "ratios", "run",
+           "worker"]
 
 #: 6 blocks of width 192, vocabulary 2048: 3.5 M parameters (14 MB in fp32).
 BENCH_MODEL = dict(vocab_size=2048, block_size=64, n_layer=6, n_head=6, n_embd=192)
 BENCH_ROWS = 4  # rows per rank, 64 tokens each
 QUICK_MODEL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64)
 QUICK_ROWS = 2
-ENTRIES = ("ddp", "zero1", "zero2", "zero3", "zero3-offload", "zero3-disk", "torch-zero1", "fsdp2", "fsdp2-offload")
+ENTRIES = ("ddp", "zero1", "zero2", "zero3", "zero3-offload", "zero3-disk", "torch-zero1", "fsdp2", "fsdp2-offload",
+           "deepspeed1", "deepspeed2", "deepspeed3", "deepspeed3-offload")
+#: The entries that need DeepSpeed (skipped, with the reason, where it cannot run).
+DEEPSPEED_ENTRIES = tuple(e for e in ENTRIES if e.startswith("deepspeed"))
 PHASES = {"forward": ("start", "forward_end"), "backward": ("forward_end", "backward_end"),
           "optimizer": ("backward_end", "end")}
 MIB = 1024 * 1024
@@ -57,7 +64,7 @@ def _adamw(net: torch.nn.Module) -> torch.optim.AdamW:
     return torch.optim.AdamW(_groups(net), lr=LR, betas=(0.9, 0.95), foreach=False)
 
 
-def _entry(kind: str, serial: Any, ctx: Any) -> tuple[Any, Any, Any]:
+def _entry(kind: str, serial: Any, ctx: Any, rows: int) -> tuple[Any, Any, Any]:
     """(model, optimizer, step function) of one entry; ``step(timer, x, y)`` returns the loss tensor."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -81,6 +88,21 @@ def _entry(kind: str, serial: Any, ctx: Any) -> tuple[Any, Any, Any]:
             return loss.detach()
 
         return net, opt, step
+    if kind.startswith("deepspeed"):
+        from lslm.integrations.deepspeed_zero import build_engine
+
+        engine = build_engine(net, _adamw(net), int(kind[9]), rows, offload="cpu" if "offload" in kind else None)
+
+        def ds_step(timer: StepTimer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            _, loss = engine(x, y)
+            timer.mark("forward_end")
+            engine.backward(loss)
+            timer.mark("backward_end")
+            engine.step()  # the step, then DeepSpeed zeroes the gradients itself
+            return loss.detach()
+
+        ds_step.engine = engine  # type: ignore[attr-defined]
+        return engine.module, engine.optimizer, ds_step
     if kind in ("ddp", "torch-zero1"):
         module = DistributedDataParallel(net)
         opt = (_adamw(net) if kind == "ddp" else
@@ -117,6 +139,7 @@ def _memory(net: Any, opt: Any) -> dict[str, int]:
 def worker(model: dict[str, Any], rows: int, entries: list[str], steps: int = 10, warmup: int = 2,
            threads: int = 1, seed: int = 0, device: str | None = None) -> dict[str, Any]:
     """One rank of the benchmark (see the module doc); rank 0 returns the rows, the others ``{"rank"}``."""
+    from lslm.metrics.dispatched_collectives import count_collectives
     from lslm.metrics.memory import peak_rss_bytes
     from lslm.models.gpt import GPT, GPTConfig
     from lslm.runtime import init_distributed
@@ -134,7 +157,7 @@ def worker(model: dict[str, Any], rows: int, entries: list[str], steps: int = 10
                 for _ in range(warmup + steps)]
         built, losses, variants = [], {}, []
         for kind in entries:
-            net, opt, step = _entry(kind, serial, ctx)
+            net, opt, step = _entry(kind, serial, ctx, rows)
             built.append((kind, net, opt, step))
             losses[kind] = []
             last: list[Any] = [None]
@@ -154,7 +177,8 @@ def worker(model: dict[str, Any], rows: int, entries: list[str], steps: int = 10
             start = len(ledger.records)
             timer = StepTimer(dev)
             timer.start()
-            step(timer, x, y)  # one more step: its traffic, then the memory it leaves
+            with count_collectives() as seen:  # every entry's collectives, as torch's dispatcher sees them
+                step(timer, x, y)  # one more step: its traffic, then the memory it leaves
             recs = ledger.records[start:]
             lslm_sees = kind.startswith("zero")
             base = losses["ddp"] if "ddp" in losses else losses[kind]
@@ -166,14 +190,17 @@ def worker(model: dict[str, Any], rows: int, entries: list[str], steps: int = 10
                 "ag_bytes": sum(r.nbytes for r in recs if r.label == GATHER_LABEL) if lslm_sees else None,
                 "offload_bytes": dict(opt.offload_bytes) if lslm_sees else None,
                 "disk_bytes": dict(opt.disk.bytes_moved) if lslm_sees and opt.disk is not None else None,
+                "collectives": seen.as_dict(),
                 **_memory(net, opt)})
         result = {"world": world, "model": model, "rows_per_rank": rows, "steps": steps, "warmup": warmup,
                   "threads": torch.get_num_threads(), "backend": ctx.backend, "device": str(dev),
                   "num_parameters": sum(p.numel() for p in serial.parameters()),
                   "process_peak_rss_bytes": peak_rss_bytes(), "rows": out_rows}
-        for _kind, _net, opt, _step in built:
+        for _kind, _net, opt, step in built:
             if getattr(opt, "disk", None) is not None:
                 opt.disk.close(remove=True)  # the temporary offload folder
+            if hasattr(step, "engine"):
+                step.engine.destroy()  # before the process group ends (a rare abort at exit otherwise)
         torch.distributed.barrier()  # DTensor users may abort at exit without one (DESIGN §10)
     return {"rank": ctx.rank, **(result if ctx.rank == 0 else {})}
 
@@ -185,8 +212,9 @@ def _row(result: dict[str, Any], entry: str) -> dict[str, Any] | None:
 def ratios(result: dict[str, Any]) -> dict[str, float]:
     """Median step-time ratios lslm / peer at one world size, for the pairs present."""
     out = {}
-    for ours, peer in (("zero1", "torch-zero1"), ("zero3", "fsdp2"), ("zero3-offload", "fsdp2-offload"),
-                       ("zero1", "ddp"), ("zero3-disk", "zero3")):
+    for ours, peer in (("zero1", "torch-zero1"), ("zero3", "fsdp2"), ("zero3", "deepspeed3"),
+                       ("zero3-offload", "fsdp2-offload"), ("zero3-offload", "deepspeed3-offload"),
+                       ("zero1", "deepspeed1"), ("zero2", "deepspeed2"), ("zero1", "ddp"), ("zero3-disk", "zero3")):
         a, b = _row(result, ours), _row(result, peer)
         if a is not None and b is not None:
             out[f"{ours}/{peer}"] = a["step_ms"] / b["step_ms"]
@@ -206,20 +234,29 @@ def print_table(results: dict[int, dict[str, Any]], report: Report | None = None
         out(f"\n== dp={n} ({res['backend']}, {res['threads']} thread(s)/rank): GPT {psi:,} params ({m['n_layer']} "
             f"layers, width {m['n_embd']}), {res['rows_per_rank']} x {m['block_size']} tokens per rank, fp32 AdamW, "
             f"medians of {res['steps']} steps ==")
-        out(f"{'entry':<14} {'step ms':>8} {'fwd':>6} {'bwd':>6} {'optim':>6} {'vs DDP':>6} {'params':>7} "
+        out(f"{'entry':<18} {'step ms':>8} {'fwd':>6} {'bwd':>6} {'optim':>6} {'vs DDP':>6} {'params':>7} "
             f"{'grads':>6} {'master':>6} {'optim':>6} {'B/param':>7} {'RS MiB':>6} {'AG MiB':>6} {'loss diff':>9}")
         ddp = _row(res, "ddp")
         for r in res["rows"]:
             total = r["params_bytes"] + r["grads_bytes"] + r["masters_bytes"] + r["optimizer_bytes"]
             vs = f"{r['step_ms'] / ddp['step_ms']:>5.2f}x" if ddp is not None else f"{'-':>6}"
-            out(f"{r['entry']:<14} {r['step_ms']:>8.1f} {r['forward_ms']:>6.1f} {r['backward_ms']:>6.1f} "
+            out(f"{r['entry']:<18} {r['step_ms']:>8.1f} {r['forward_ms']:>6.1f} {r['backward_ms']:>6.1f} "
                 f"{r['optimizer_ms']:>6.1f} {vs} {_mib(r['params_bytes']):>7} {_mib(r['grads_bytes']):>6} "
                 f"{_mib(r['masters_bytes']):>6} {_mib(r['optimizer_bytes']):>6} {total / psi:>7.2f} "
                 f"{_mib(r['rs_bytes']):>6} {_mib(r['ag_bytes']):>6} {r['max_loss_diff_vs_ddp']:>9.1e}")
-        out("(times: ms, slowest rank; memory: MiB per rank after a step, by owner (FSDP2: its local shards; torch "
-            "DDP's internal gradient buckets not counted); B/param: model-state bytes per parameter per rank; RS/AG: "
-            "one step's reduce-scatters and all-gathers as lslm's ledger counts them (lslm's entries only); process "
+        out("(times: ms, slowest rank; memory: MiB per rank after a step, by owner (FSDP2: its local shards; "
+            "DeepSpeed: its partitions; torch DDP's internal gradient buckets and DeepSpeed's staging buffers not "
+            "counted); B/param: model-state bytes per parameter per rank; RS/AG: one step's reduce-scatters and "
+            "all-gathers as lslm's ledger counts them (lslm's entries only: torch's and DeepSpeed's collectives "
+            "bypass it); process "
             f"peak RSS, all entries of the job: {res['process_peak_rss_bytes'] / MIB:.0f} MiB)")
+        peers = [r for r in res["rows"] if r["entry"].startswith(("fsdp2", "deepspeed")) and r.get("collectives")]
+        if peers:
+            out("collectives of one step outside lslm's ledger, as torch's dispatcher sees them (calls x MiB): " +
+                "; ".join(f"{r['entry']} " + ", ".join(f"{k} {c} x {_mib(b)}" for k, (c, b) in r["collectives"].items())
+                          for r in peers))
+        for entry, why in res.get("skipped", {}).items():
+            out(f"{entry}: skipped ({why})")
 
 
 def plot(results: dict[int, dict[str, Any]], path: Path) -> None:
@@ -265,7 +302,9 @@ def run(nprocs: tuple[int, ...] = (2, 4), *, quick: bool = False, model: dict[st
     ``zero.json`` and ``zero.png`` to ``out_dir`` (``None``: print only).
 
     ``quick=True``: a tiny model and 2 timed steps, for tests and notebooks (memory and counts are
-    meaningful, timings are not).
+    meaningful, timings are not). DeepSpeed's entries are left out, the reason printed and recorded under
+    ``"skipped"``, where :func:`~lslm.integrations.deepspeed_zero.deepspeed_available` says it cannot run
+    (checked, and its op compiled once into the environment's cache, here, before any rank starts).
     """
     from lslm.launcher.launch import launch
 
@@ -283,11 +322,22 @@ def run(nprocs: tuple[int, ...] = (2, 4), *, quick: bool = False, model: dict[st
     env = device_env(device, max(nprocs))
     steps = steps if steps is not None else (2 if quick else 10)
     warmup = warmup if warmup is not None else (1 if quick else 2)
+    skipped: dict[str, str] = {}
+    if any(e in DEEPSPEED_ENTRIES for e in entries):
+        from lslm.integrations import deepspeed_zero
+
+        ok, why = deepspeed_zero.deepspeed_available()
+        if not ok:
+            skipped = {e: why for e in entries if e in DEEPSPEED_ENTRIES}
+            entries = tuple(e for e in entries if e not in DEEPSPEED_ENTRIES)
+            print(f"lslm bench zero: skipping {', '.join(skipped)}: {why}")
+            if not entries:
+                raise RuntimeError(f"nothing to run: {why}")
     results: dict[int, dict[str, Any]] = {}
     for n in nprocs:
         res = launch("lslm.bench.zero:worker", nproc=n, timeout=timeout, output="none", model=model, rows=rows,
                      entries=list(entries), steps=steps, warmup=warmup, threads=threads, env=env)
-        results[n] = res[0]
+        results[n] = {**res[0], "skipped": skipped}
     with Report("zero", out_dir) as report:
         print_table(results, report)
         report.write(results, plot)

@@ -1,1 +1,2 @@
-"""Training with the tools used at work (Lightning, Accelerate, a torchrun script), side by side with lslm."""
+"""Training with the tools used at work (Lightning, Accelerate, a torchrun script, DeepSpeed's ZeRO engine), side by
+side with lslm."""

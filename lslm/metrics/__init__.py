@@ -11,6 +11,8 @@ Measurement (CPU and CUDA alike; :mod:`.memory` is the entry point and re-export
 * :mod:`.storage` - the counting rule they share (one storage counted once);
 * :mod:`.held` - :func:`held_by_owner`, model-state bytes by owner for lslm's optimizers and PyTorch's sharded
   peers (FSDP2's local shards, ZeroRedundancyOptimizer's own optimizer) in one table;
+* :mod:`.dispatched_collectives` - :func:`count_collectives`, the collectives (calls and buffer bytes) a block of
+  code issues through ``torch.distributed``, as the dispatcher sees them: the peers lslm's ledger cannot see;
 * :mod:`.allocations` - :func:`count_allocations`, the bytes each aten op allocates (copies by name), on any
   device: what a communication layout costs in copies; :func:`track_live_bytes`, the exact peak of the bytes
   a block of code holds at once (what building a model costs a rank at start).
