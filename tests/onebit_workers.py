@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import torch
@@ -13,6 +14,8 @@ from lslm.data_parallel.onebit_compress import (
     OneBitState,
     compressed_all_reduce,
     compressed_all_reduce_bus_bytes,
+    padded_numel,
+    sign_compress,
 )
 from lslm.data_parallel.onebit_run import onebit_loss_curves
 from lslm.models.gpt import GPT, GPTConfig
@@ -83,6 +86,30 @@ def _bytes(ctx: Any) -> dict[str, Any]:
             "fp32_bus": ledger.total_bus_bytes(since=since), "fp32_nbytes": ledger.total_bytes(since=since)}
 
 
+def _reference_step(xs: list[torch.Tensor], worker_errors: list[torch.Tensor], server_errors: list[torch.Tensor],
+                    feedback: bool) -> torch.Tensor:
+    """The compressed all-reduce in one process, from every rank's input (updates the error lists in place)."""
+    world, numel = len(xs), xs[0].numel()
+    p = padded_numel(numel, world)
+    decoded = []
+    for i, x in enumerate(xs):
+        y = torch.zeros(p)
+        y[:numel] = x
+        y += worker_errors[i]
+        dec = sign_compress(y, world)[2]
+        if feedback:
+            worker_errors[i] = y - dec
+        decoded.append(dec.view(world, -1))
+    out = []
+    for j in range(world):
+        z = torch.stack([d[j] for d in decoded]).sum(dim=0) / world + server_errors[j]
+        dec = sign_compress(z, 1)[2]
+        if feedback:
+            server_errors[j] = z - dec
+        out.append(dec)
+    return torch.cat(out)[:numel]
+
+
 def _error_feedback(ctx: Any) -> dict[str, Any]:
     """Running sums of compressed all-reduces against the true mean, with and without error feedback."""
     out: dict[str, Any] = {}
@@ -90,7 +117,10 @@ def _error_feedback(ctx: Any) -> dict[str, Any]:
         state = OneBitState(error_feedback=feedback)
         true_sum = torch.zeros(EF_NUMEL)
         comp_sum = torch.zeros(EF_NUMEL)
-        errors = []
+        errors, ref_diffs = [], []
+        p = padded_numel(EF_NUMEL, ctx.world_size)
+        ref_w = [torch.zeros(p) for _ in range(ctx.world_size)]
+        ref_s = [torch.zeros(p // ctx.world_size) for _ in range(ctx.world_size)]
         for t in range(EF_STEPS):
             # A drifting signal plus noise, different on every rank, deterministic.
             g = torch.Generator().manual_seed(100 * t + ctx.rank)
@@ -98,9 +128,12 @@ def _error_feedback(ctx: Any) -> dict[str, Any]:
             everyone = [torch.empty_like(x) for _ in range(ctx.world_size)]
             dist.all_gather(everyone, x)
             true_sum += torch.stack(everyone).mean(dim=0)
-            comp_sum += compressed_all_reduce(x, ctx.comm, state)
+            reduced = compressed_all_reduce(x, ctx.comm, state)
+            ref_diffs.append((reduced - _reference_step(everyone, ref_w, ref_s, feedback)).abs().max().item())
+            comp_sum += reduced
             errors.append((comp_sum - true_sum).norm().item() / true_sum.norm().item())
         out[f"errors_ef{feedback}"] = errors
+        out[f"reference_diff_ef{feedback}"] = max(ref_diffs)
         if feedback:
             # The telescoping identity: sum(out) = sum(mean x) - mean_i(worker error) - server error.
             w = state.worker_error.clone()
@@ -122,6 +155,8 @@ def suite() -> dict[str, Any]:
     out.update(_bytes(ctx))
     out.update(_error_feedback(ctx))
     if ctx.world_size == 2:
+        start = time.perf_counter()
         out["curves"] = onebit_loss_curves(ctx)
+        out["curves_s"] = time.perf_counter() - start  # reported, never asserted
     ctx.destroy()
     return out

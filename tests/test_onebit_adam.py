@@ -12,6 +12,7 @@ from lslm.data_parallel.onebit_adam import WARMUP_LABEL, OneBitAdam
 from lslm.data_parallel.onebit_compress import (
     ALL_GATHER_LABEL,
     ALL_TO_ALL_LABEL,
+    compressed_all_reduce_bus_bytes,
     pack_signs,
     padded_numel,
     sign_compress,
@@ -90,6 +91,8 @@ def test_compressed_bytes_equal_the_formula_and_are_32x_fewer(nproc: int, suites
 def test_error_feedback_keeps_the_running_sum_on_track(nproc: int, suites: dict) -> None:
     r = suites[nproc]
     ef, no_ef = r["errors_efTrue"], r["errors_efFalse"]
+    # Equal, bit for bit, to the algorithm run in one process on every rank's input (errors included).
+    assert r["reference_diff_efTrue"] == r["reference_diff_efFalse"] == 0.0
     assert r["identity_gap"] <= 1e-5 * r["identity_scale"]  # sum(out) = sum(mean x) - errors, to rounding
     # With feedback the relative error of the running sum falls as the sum grows; without it, it does not.
     assert ef[-1] < ef[0] / 5
@@ -106,4 +109,7 @@ def test_loss_curves_on_the_course_gpt(suites: dict) -> None:
     assert losses["1-bit adam"][:11] == losses["adam"][:11]
     assert len(set(sent["adam"])) == 1 and sent["adam"][0] == 4 * c["numel"]  # 2 (n-1)/n x 4 bytes at n = 2
     assert sent["1-bit adam"][:10] == sent["adam"][:10]
+    assert set(sent["1-bit adam"][10:]) == {compressed_all_reduce_bus_bytes(c["numel"], 2)}
     assert max(sent["1-bit adam"][10:]) < sent["adam"][0] / 31
+    # The whole run, warm-up included: 10 fp32 steps and 30 compressed ones.
+    assert sum(sent["1-bit adam"]) == 10 * 4 * c["numel"] + 30 * compressed_all_reduce_bus_bytes(c["numel"], 2)
