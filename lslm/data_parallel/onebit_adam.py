@@ -39,7 +39,15 @@ WARMUP_LABEL = "1-bit Adam warm-up all-reduce"
 
 
 class OneBitAdam:
-    """1-bit Adam over ``params`` on the ranks of ``group`` (default: the world), through ``ctx.comm``."""
+    """1-bit Adam over ``params`` on the ranks of ``group`` (default: the world), through ``ctx.comm``.
+
+    The warm-up must be long enough for the variance to settle before it freezes: after it, every element of a
+    compressed chunk moves with its chunk's mean magnitude divided by its own frozen ``sqrt(v)``, so an element
+    whose variance was still tiny takes a huge step. Measured on the tests' small GPT: a 3-step warm-up at
+    lr 1e-2 moved some parameters by up to 904 within 3 compressed steps; 10 steps at lr 3e-3
+    (:func:`lslm.data_parallel.onebit_run.onebit_loss_curves`) trains stably. The paper warms up for 15-25 % of
+    the run (Tang et al. 2021, §4).
+    """
 
     def __init__(self, params: Iterable[torch.Tensor], ctx: ParallelContext, *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, warmup_steps: int = 10,
