@@ -45,8 +45,7 @@ class OneBitAdam:
     compressed chunk moves with its chunk's mean magnitude divided by its own frozen ``sqrt(v)``, so an element
     whose variance was still tiny takes a huge step. Measured on the tests' small GPT: a 3-step warm-up at
     lr 1e-2 moved some parameters by up to 904 within 3 compressed steps; 10 steps at lr 3e-3
-    (:func:`lslm.data_parallel.onebit_run.onebit_loss_curves`) trains stably. The paper warms up for 15-25 % of
-    the run (Tang et al. 2021, §4).
+    (:func:`lslm.data_parallel.onebit_run.onebit_loss_curves`) trains stably.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], ctx: ParallelContext, *, lr: float = 1e-3,
