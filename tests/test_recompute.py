@@ -101,3 +101,32 @@ def test_tensor_parallel_bytes_and_flops_per_block_match_the_formulas() -> None:
             assert x["t"] == 2
             assert x["saved_bytes"] == x["formula_bytes"], x
             assert x["extra_flops"] == x["formula_extra_flops"], x
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_pipeline_stages_cut_from_a_recomputed_gpt_recompute_and_match(mode: str) -> None:
+    from lslm.metrics.activations import ActivationMemory
+    from lslm.pipeline.partition import split_gpt
+
+    base_loss, base = _serial_grads("none")
+    torch.manual_seed(0)
+    model = apply_recompute(GPT(GPTConfig(**CONFIG)).train(), mode)
+    stages = split_gpt(model, 2)  # the stages share the GPT's (patched) blocks
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(7)
+    with ActivationMemory(model) as act:
+        h = x[:, :-1]
+        for stage in stages:
+            h = stage(h)
+    loss = torch.nn.functional.cross_entropy(h.flatten(0, 1), x[:, 1:].flatten())
+    loss.backward()
+    assert torch.equal(loss.detach(), base_loss)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, base[name]), name
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(**CONFIG)).train()
+    with ActivationMemory(plain) as plain_act:
+        plain(x[:, :-1])
+    s, b, h_, a = 16, 2, 32, 4
+    saved = plain_act.bytes - act.bytes  # what recomputation saved over the 2 blocks, per the formulas
+    assert saved == 2 * (adapted_layer_bytes(s, b, h_, a) - recompute_layer_bytes(s, b, h_, a, mode=mode))
