@@ -17,7 +17,8 @@ sum over tp; each stage's gradients averaged over dp after its last backward, an
 embedding's two ends summed; with ``--recompute selective|full`` each block's attention core or
 whole forward runs again in its backward, :func:`lslm.tensor_parallel.recompute.apply_recompute`);
 then the baseline's AdamW with the global-norm clip over ``tp x pp``, or with ``--zero 1``
-:class:`~lslm.zero.optimizer.ZeroOptimizer` (reduce-scatter over dp, the norm over ``dp x tp x pp``, this rank's slice stepped, all-gather).
+:class:`~lslm.zero.optimizer.ZeroOptimizer` (reduce-scatter over dp, the norm over
+``dp x tp x pp``, this rank's slice stepped, all-gather).
 
 **Same run as the serial baseline**: ``batch_size`` is the global batch, each replica gets
 ``batch_size / dp`` rows dealt as the DDP, TP and pipeline recipes deal them, and every rank
