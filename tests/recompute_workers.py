@@ -8,15 +8,18 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from lslm.data_parallel.grad_sync import attach_grad_buffers
 from lslm.demos.recompute_check import tp_rows
 from lslm.models.gpt import GPT, GPTConfig
+from lslm.pipeline.apply import PipelinePlan
 from lslm.runtime import init_distributed
 from lslm.tensor_parallel.apply import apply_tensor_parallel
 from lslm.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lslm.tensor_parallel.grads import sync_tensor_parallel_grads
 from lslm.tensor_parallel.recompute import RECOMPUTE_MODES, apply_recompute
+from lslm.three_d import ThreeDPlan, apply_3d
 
-__all__ = ["suite"]
+__all__ = ["pipeline_suite", "suite"]
 
 B, T = 2, 16
 CONFIG = dict(vocab_size=64, block_size=T, n_layer=2, n_head=4, n_embd=32, dropout=0.1)
@@ -58,3 +61,33 @@ def suite() -> dict[str, Any]:
         ctx.rng = None
     out["rows"] = tp_rows(ctx)
     return out
+
+
+PIPE_CONFIG = dict(vocab_size=64, block_size=T, n_layer=4, n_head=2, n_embd=32, dropout=0.1)
+
+
+def _pipeline_grads(ctx: Any, variant: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(3)
+    ctx.rng = None  # apply_tensor_parallel seeds the tracker afresh: every variant draws the same masks
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**PIPE_CONFIG))
+    plan = ThreeDPlan(PipelinePlan("1f1b", microbatches=2, remat=variant == "remat"))
+    tdp = apply_3d(model, ctx, plan, init_seed=3)
+    if variant in RECOMPUTE_MODES:
+        for stage in tdp.local:
+            apply_recompute(stage, variant, ctx)
+    for stage in tdp.local:
+        attach_grad_buffers(stage, ctx)
+    tdp.local.train()
+    x = torch.randint(0, PIPE_CONFIG["vocab_size"], (4, T + 1), generator=torch.Generator().manual_seed(5))
+    tdp.step(x[:, :-1], x[:, 1:])
+    return {n: p.main_grad.clone() for n, p in tdp.named_parameters()}
+
+
+def pipeline_suite() -> dict[str, Any]:
+    """TP inside pipeline stages (tp = pp = 2), dropout on: the gradients of the pipeline's own stage
+    rematerialisation and of apply_recompute on the stages, against neither."""
+    ctx = init_distributed(tp=2, pp=2)
+    runs = {v: _pipeline_grads(ctx, v) for v in ("none", "remat", "selective", "full")}
+    base = runs["none"]
+    return {v: max((g[n] - base[n]).abs().max().item() for n in base) for v, g in runs.items()}

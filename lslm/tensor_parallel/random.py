@@ -28,7 +28,8 @@ dropout (sharded), so the residual dropout module is hooked back onto the defaul
 Limitation: ``torch.utils.checkpoint`` restores only the default generators before it
 recomputes a forward, not the tracker's streams, so a recomputed block that forks would
 draw other masks than the first time (Megatron ships its own checkpoint for this). lslm's
-recomputations (:mod:`lslm.tensor_parallel.recompute`, :mod:`lslm.zero.activations`) save and
+recomputations (:mod:`lslm.tensor_parallel.recompute`, :mod:`lslm.zero.activations`, the pipeline's
+``remat``) save and
 restore both with :func:`capture_rng_states` / :func:`restore_rng_states`.
 """
 
