@@ -20,9 +20,10 @@ STEPS = 3
 L, C, T, B = 4, 32, 32, 8
 SMALL = dict(n_layer=L, n_head=2, n_embd=C, vocab_size=1024, block_size=T, batch_size=B, steps=STEPS, log_every=100)
 GRID = dict(dp=2, tp=2, pp=2)
-#: ZeRO-1 with sequence parallelism under 1F1B, and interleaved 1F1B with SP (activations cross as sequence shards).
-RUNS = ({"schedule": "1f1b", "microbatches": 2, "zero": 1, "sequence_parallel": True},
-        {"schedule": "interleaved", "microbatches": 2, "sequence_parallel": True})
+#: ZeRO-1 with sequence parallelism under 1F1B, and interleaved 1F1B with SP (activations cross as sequence shards);
+#: each with a recomputation mode too (which must change no loss).
+RUNS = ({"schedule": "1f1b", "microbatches": 2, "zero": 1, "sequence_parallel": True, "recompute": "selective"},
+        {"schedule": "interleaved", "microbatches": 2, "sequence_parallel": True, "recompute": "full"})
 
 
 def test_bad_settings_raise_value_error_naming_them() -> None:
@@ -57,6 +58,7 @@ def test_dp2_tp2_pp2_reproduces_the_serial_run() -> None:
         for r in records:
             assert r["losses"] == records[0]["losses"]
             assert (r["dp_size"], r["tp_size"], r["pp_size"]) == (2, 2, 2)
+            assert r["recompute"] == run["recompute"]
             pp_rank = r["coords"]["pp"]
             assert r["stages"] == [s for s, rank in enumerate(s2r) if rank == pp_rank]
             crossings = sum((s > 0 and s2r[s - 1] != pp_rank) + (s < len(s2r) - 1 and s2r[s + 1] != pp_rank)

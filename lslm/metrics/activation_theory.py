@@ -53,9 +53,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ActivationTerm", "adapted_layer_bytes", "format_terms", "korthikanti_layer_bytes", "layer_terms"]
+__all__ = ["ATTENTION_CORE_TERMS", "ActivationTerm", "adapted_layer_bytes", "format_terms", "korthikanti_layer_bytes",
+           "layer_flops", "layer_terms", "recompute_extra_flops", "recompute_layer_bytes"]
 
 ATTENTION_KINDS = ("math", "flash")
+#: The terms of :func:`layer_terms` (math attention) that selective recomputation drops: the attention core's.
+ATTENTION_CORE_TERMS = ("q * d^-1/4 (copy)", "k^T * d^-1/4 (copy)", "softmax output", "attention dropout noise",
+                        "dropped attention probs", "v (contiguous copy)", "v (view: the whole c_attn output)")
 
 
 @dataclass(frozen=True)
@@ -198,6 +202,60 @@ def adapted_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_par
     it only by LayerNorm's ``16 sb``.
     """
     return sum(term.bytes for term in layer_terms(s, b, h, a, t, sequence_parallel, **options))  # type: ignore[arg-type]
+
+
+def recompute_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False, *,
+                          mode: str = "none", **options: object) -> int:
+    """Bytes one lslm block keeps for backward per rank under activation recomputation ``mode``.
+
+    Korthikanti et al. 2022, §5 in lslm's accounting (:func:`layer_terms`' widths, default fp32 and
+    CPU float dropout noise):
+
+    * ``"none"``: :func:`adapted_layer_bytes`;
+    * ``"full"``: the block input only, ``sbh`` elements (``sbh/t`` with sequence parallelism) of
+      ``act_bytes`` (the paper's ``2sbh`` at 2 bytes);
+    * ``"selective"`` (math attention only): the attention core's terms
+      (:data:`ATTENTION_CORE_TERMS`: the ``5as^2b`` of Table 2 and the q, k, v copies) are replaced
+      by the core's inputs, which are views of one ``c_attn`` output: ``3sbh/t`` elements. With
+      several heads per rank that equals the copies, so exactly the ``s^2`` terms go.
+    """
+    e = int(options.get("act_bytes", 4))  # type: ignore[call-overload]
+    if mode == "none":
+        return adapted_layer_bytes(s, b, h, a, t, sequence_parallel, **options)
+    if mode == "full":
+        _check_positive(s=s, b=b, h=h, a=a, t=t)
+        return s * b * h // (t if sequence_parallel else 1) * e
+    if mode != "selective":
+        raise ValueError(f"mode must be 'none', 'selective' or 'full', got {mode!r}")
+    if options.get("attention", "math") != "math":
+        raise ValueError("selective recomputation's bytes are modelled for attention='math' (the s^2 path)")
+    terms = layer_terms(s, b, h, a, t, sequence_parallel, **options)  # type: ignore[arg-type]
+    kept = sum(x.bytes for x in terms if x.name not in ATTENTION_CORE_TERMS)
+    return kept + 3 * s * b * h // t * e
+
+
+def layer_flops(s: int, b: int, h: int, t: int = 1) -> dict[str, int]:
+    """Matmul flops of one block's forward per rank (2 per multiply-add), Korthikanti et al. 2022 §5/Narayanan 2021.
+
+    ``"linear"``: ``24 s b h^2 / t`` (qkv ``6``, attention projection ``2``, MLP ``16``);
+    ``"attention"``: ``4 s^2 b h / t`` (``q k^T`` and ``@ v``, the full ``s x s`` that the math path
+    computes, causal or not). Softmax, dropout, LayerNorm and GELU are not matmuls and not counted.
+    """
+    _check_positive(s=s, b=b, h=h, t=t)
+    return {"linear": 24 * s * b * h * h // t, "attention": 4 * s * s * b * h // t}
+
+
+def recompute_extra_flops(s: int, b: int, h: int, t: int = 1, *, mode: str = "none") -> int:
+    """Matmul flops that recomputation ``mode`` adds to one block's step per rank (:func:`layer_flops`).
+
+    ``"full"``: one more forward of the block, ``24sbh^2/t + 4s^2bh/t``; ``"selective"``: the
+    attention core's ``4s^2bh/t`` (Korthikanti et al. 2022, §5); ``"none"``: 0.
+    """
+    f = layer_flops(s, b, h, t)
+    extra = {"none": 0, "selective": f["attention"], "full": f["linear"] + f["attention"]}
+    if mode not in extra:
+        raise ValueError(f"mode must be one of {tuple(extra)}, got {mode!r}")
+    return extra[mode]
 
 
 def format_terms(terms: list[ActivationTerm]) -> str:

@@ -116,9 +116,7 @@ class CausalSelfAttention(nn.Module):
             q, k, v = (t.view(T, B, n_head, self.head_dim).permute(1, 2, 0, 3) for t in (q, k, v))
         else:
             q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = self.core_attention(q, k, v)
         # (B, h, T, d) -> (B, T, h*d) or (T, B, h*d). A view after the fused CPU kernel, which writes its
         # output in the query's memory order; a copy after the math path (dropout), in either layout.
         if self.sequence_first:
@@ -126,6 +124,15 @@ class CausalSelfAttention(nn.Module):
         else:
             y = y.transpose(1, 2).reshape(B, T, n_head * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal softmax(q k^T / sqrt(d)) v with attention dropout, ``(B, h, T, d)`` each: no parameters.
+
+        A method of its own so that it can be recomputed alone (selective activation recomputation,
+        Korthikanti et al. 2022 §5: :func:`lslm.tensor_parallel.recompute.apply_recompute`).
+        """
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                              is_causal=True)
 
 
 class MLP(nn.Module):

@@ -115,7 +115,8 @@ class PipelineModel:
             split_linears(stages[s], self.stores[s])
         loss_fn = _tensor_parallel_loss(model, ctx)
         self.runtimes = {s: StageRuntime(m, ctx.device, remat=plan.remat, store=self.stores.get(s),
-                                         memory=self.memory, loss_fn=loss_fn) for s, m in stages.items()}
+                                         memory=self.memory, loss_fn=loss_fn, tracker=ctx.rng)
+                         for s, m in stages.items()}
         self.executor = PipelineExecutor(ctx, actions, self.runtimes, schedule.stage_to_rank,
                                          deallocate_outputs=plan.deallocate_outputs, memory=self.memory)
         self.last_timeline: list[Event] = []

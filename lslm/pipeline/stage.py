@@ -43,19 +43,9 @@ from lslm.pipeline.memory import PipelineMemory
 from lslm.pipeline.partition import GPTStage
 from lslm.pipeline.split_backward import WeightGradStore
 from lslm.runtime.startup import synchronize
+from lslm.tensor_parallel.random import RNGStatesTracker, capture_rng_states, restore_rng_states
 
 __all__ = ["StageRuntime"]
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, Any]:
-    # The device generator only on CUDA: the CPU path must not touch torch.cuda.
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-def _set_rng_state(state: tuple[torch.Tensor, Any], device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state[1], device)
 
 
 class StageRuntime:
@@ -65,19 +55,23 @@ class StageRuntime:
     ``I``/``W``); ``memory``: the rank's :class:`PipelineMemory` when tracking activations.
     ``loss_fn(logits, targets)``: the last stage's mean loss over a micro-batch's tokens
     (default: cross-entropy of full logits; a tensor-parallel head needs the vocabulary-parallel one).
+    ``tracker``: the tensor-parallel random streams (``ctx.rng``), replayed with the default generator by
+    ``remat``'s re-run so that dropout inside a tensor-parallel stage draws the forward's masks again.
     """
 
     def __init__(self, module: GPTStage, device: torch.device, *, remat: bool = False,
                  store: WeightGradStore | None = None, memory: PipelineMemory | None = None,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 tracker: RNGStatesTracker | None = None) -> None:
         self.module, self.device, self.remat, self.store, self.memory = module, device, remat, store, memory
+        self.tracker = tracker
         self.loss_fn = loss_fn
         self.index = module.index
         self.is_first, self.is_last = module.is_first, module.is_last
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.targets: dict[int, tuple[torch.Tensor, float]] = {}
-        self.rng: dict[int, tuple[torch.Tensor, Any]] = {}
+        self.rng: dict[int, tuple[Any, ...]] = {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -123,7 +117,7 @@ class StageRuntime:
         self.inputs[mb] = x
         key = (self.index, mb)
         if self.remat:
-            self.rng[mb] = _rng_state(self.device)
+            self.rng[mb] = capture_rng_states(self.device, self.tracker)
             with torch.no_grad():
                 out, loss = self._run(mb, x)
             if self.memory is not None:
@@ -175,13 +169,13 @@ class StageRuntime:
             if measuring:
                 synchronize(self.device)
             t0 = time.perf_counter()
-            resume = _rng_state(self.device)
-            _set_rng_state(self.rng.pop(mb), self.device)
+            resume = capture_rng_states(self.device, self.tracker)
+            restore_rng_states(self.rng.pop(mb), self.device, self.tracker)
             try:
                 with torch.enable_grad(), self._saving(mb):
                     root, _ = self._run(mb, x)
             finally:
-                _set_rng_state(resume, self.device)
+                restore_rng_states(resume, self.device, self.tracker)
             if measuring:
                 synchronize(self.device)
             if self.memory is not None:

@@ -14,9 +14,11 @@ replica's rows in ``microbatches`` micro-batches by the schedule; the layers' tp
 inside each forward and backward; activations, or under ``--sequence-parallel`` their
 sequence shards, sent to the same tp rank of the next stage; the sequence-parallel gradient
 sum over tp; each stage's gradients averaged over dp after its last backward, and the tied
-embedding's two ends summed); then the baseline's AdamW with the global-norm clip over
-``tp x pp``, or with ``--zero 1`` :class:`~lslm.zero.optimizer.ZeroOptimizer` (reduce-scatter
-over dp, the norm over ``dp x tp x pp``, this rank's slice stepped, all-gather).
+embedding's two ends summed; with ``--recompute selective|full`` each block's attention core or
+whole forward runs again in its backward, :func:`lslm.tensor_parallel.recompute.apply_recompute`);
+then the baseline's AdamW with the global-norm clip over ``tp x pp``, or with ``--zero 1``
+:class:`~lslm.zero.optimizer.ZeroOptimizer` (reduce-scatter over dp, the norm over
+``dp x tp x pp``, this rank's slice stepped, all-gather).
 
 **Same run as the serial baseline**: ``batch_size`` is the global batch, each replica gets
 ``batch_size / dp`` rows dealt as the DDP, TP and pipeline recipes deal them, and every rank
@@ -48,6 +50,7 @@ from lslm.recipes.train import adamw, build_model, grad_buffer_dtype, precision_
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import resolve_sizes
 from lslm.runtime.startup import run_then_exit
+from lslm.tensor_parallel.recompute import RECOMPUTE_MODES, apply_recompute
 from lslm.three_d import ZERO_STAGES, ThreeDPlan, apply_3d, check_3d
 from lslm.zero.optimizer import GATHER_LABEL, REDUCE_SCATTER_LABEL, ZeroOptimizer
 
@@ -68,6 +71,9 @@ class ThreeDConfig(PipelineConfig):
                                                  "the sequence (Korthikanti et al. 2022)")
     zero: int = option(0, help="0: average gradients over dp; 1: ZeRO-1 (optimizer states sharded over dp)",
                        choices=ZERO_STAGES)
+    recompute: str = option("none", help="activation recomputation per block: 'selective' (the attention core) or "
+                                         "'full' (the whole block), Korthikanti et al. 2022 §5",
+                            choices=RECOMPUTE_MODES)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -111,6 +117,8 @@ def build(cfg: ThreeDConfig, ctx: ParallelContext) -> Built:
     tdp = apply_3d(build_model(cfg, meta=True), gctx, plan3d_of(cfg), init_seed=cfg.seed)
     local = tdp.local
     local.train()
+    for stage in local:  # the stages' blocks, after tensor parallelism (its dropout streams are on gctx.rng)
+        apply_recompute(stage, cfg.recompute, gctx)
     clip = cfg.grad_clip if cfg.grad_clip > 0 else None
     if cfg.zero:
         optimizer: Any = ZeroOptimizer(local, adamw(list(local.parameters()), cfg), gctx, stage=cfg.zero)
@@ -161,7 +169,8 @@ def build(cfg: ThreeDConfig, ctx: ParallelContext) -> Built:
     info = {"tp_size": cfg.tp, "pp_size": cfg.pp, "dp_size": dp, "schedule": cfg.schedule, "zero": cfg.zero,
             "sequence_parallel": cfg.sequence_parallel, "microbatches": cfg.microbatches,
             "virtual_stages": cfg.virtual_stages, "stages": sorted(tdp.pipe.stages), "coords": gctx.coords._asdict(),
-            "tokens_per_step": cfg.batch_size * cfg.block_size, "precision": cfg.precision}
+            "tokens_per_step": cfg.batch_size * cfg.block_size, "precision": cfg.precision,
+            "recompute": cfg.recompute}
     name = f"dp{dp}-tp{cfg.tp}-pp{cfg.pp}-{cfg.schedule}-zero{cfg.zero}" + ("-sp" if cfg.sequence_parallel else "")
     return Built(model=local, optimizer=optimizer, step=step, batches=next_token_batches(loader, gctx.device),
                  ctx=gctx, device=gctx.device, per_step=per_step, count=(None, None), log=log, info=info, name=name)

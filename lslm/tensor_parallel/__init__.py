@@ -6,6 +6,8 @@
 * :mod:`.cross_entropy` - the loss over a vocabulary split across ranks; :mod:`.vocab` - padding;
 * :mod:`.qkv` - the per-head rows of a fused ``[q|k|v]`` projection;
 * :mod:`.random` - the default and tensor-parallel RNG streams dropout needs;
+* :mod:`.recompute` - :func:`apply_recompute`: full or selective activation recomputation (Korthikanti et al.
+  2022, §5) replaying both streams;
 * :mod:`.plan` / :mod:`.apply` - :func:`apply_tensor_parallel` (lslm GPT; Hugging Face GPT-2 and Llama in
   :mod:`.hf_plans`);
 * :mod:`.grads` - the gradient all-reduces sequence parallelism and replicated KV heads need;
@@ -15,7 +17,7 @@
 * :mod:`.dtensor_reference` - the same GPT under PyTorch DTensor, for side-by-sides.
 
 The experiments notebook 05 launches live in :mod:`lslm.demos` (``tensor_parallel_demo``, ``activation_check``,
-``dtensor_compare``).
+``dtensor_compare``); the recomputation table in ``recompute_check``.
 """
 
 from lslm.tensor_parallel.apply import TPInfo, apply_tensor_parallel, gpt_plan, plan_for
@@ -33,13 +35,14 @@ from lslm.tensor_parallel.mappings import (
 )
 from lslm.tensor_parallel.plan import Colwise, Rowwise, SequenceSharded, TPPlan, VocabEmbedding, VocabHead
 from lslm.tensor_parallel.random import RNGStatesTracker, model_parallel_seed
+from lslm.tensor_parallel.recompute import apply_recompute
 from lslm.tensor_parallel.vocab import pad_vocab_size
 
 __all__ = [
     "Colwise", "ColumnParallelLinear", "RNGStatesTracker", "RowParallelLinear", "Rowwise", "SequenceSharded",
     "TPInfo", "TPPlan", "VocabEmbedding", "VocabHead", "VocabParallelEmbedding", "apply_tensor_parallel",
     "copy_to_tensor_parallel_region", "gather_from_sequence_parallel_region", "gather_from_tensor_parallel_region",
-    "gather_logits", "gpt_plan", "model_parallel_seed", "pad_vocab_size", "plan_for",
+    "apply_recompute", "gather_logits", "gpt_plan", "model_parallel_seed", "pad_vocab_size", "plan_for",
     "reduce_from_tensor_parallel_region", "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region", "scatter_to_tensor_parallel_region", "sync_sequence_parallel_grads",
     "sync_tensor_parallel_grads", "vocab_parallel_cross_entropy", "vocab_parallel_token_losses",

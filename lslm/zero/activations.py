@@ -30,24 +30,15 @@ from torch import nn
 from torch.autograd import Function
 
 from lslm.runtime.context import ParallelContext
+from lslm.tensor_parallel.random import RNGStatesTracker, capture_rng_states, restore_rng_states
 
 __all__ = ["GATHER_LABEL", "apply_partitioned_checkpoints", "checkpoint_partitioned"]
 
 GATHER_LABEL = "zero-r checkpoint gather"
 
 
-def _rng_states(device: torch.device, pctx: ParallelContext) -> tuple[Any, ...]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None  # no torch.cuda on CPU paths
-    tracker = pctx.rng.get_states() if getattr(pctx, "rng", None) is not None else None
-    return torch.get_rng_state(), cuda, tracker
-
-
-def _set_rng_states(states: tuple[Any, ...], device: torch.device, pctx: ParallelContext) -> None:
-    torch.set_rng_state(states[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(states[1], device)
-    if states[2] is not None:
-        pctx.rng.set_states(states[2])
+def _tracker(pctx: ParallelContext) -> RNGStatesTracker | None:
+    return getattr(pctx, "rng", None)
 
 
 class _PartitionedCheckpoint(Function):
@@ -55,7 +46,7 @@ class _PartitionedCheckpoint(Function):
     def forward(fn: Any, run: Callable[[torch.Tensor], torch.Tensor], pctx: ParallelContext, offload: bool,
                 x: torch.Tensor) -> torch.Tensor:
         fn.run, fn.pctx, fn.device, fn.shape, fn.dtype = run, pctx, x.device, x.shape, x.dtype
-        fn.rng = _rng_states(x.device, pctx)
+        fn.rng = capture_rng_states(x.device, _tracker(pctx))
         with torch.no_grad():
             out = run(x)
         t = pctx.tp_size
@@ -81,13 +72,13 @@ class _PartitionedCheckpoint(Function):
         for d in fn.shape:
             numel *= d
         x = full[:numel].view(fn.shape).detach().requires_grad_(True)
-        now = _rng_states(fn.device, pctx)
-        _set_rng_states(fn.rng, fn.device, pctx)  # the forward's random draws, replayed
+        now = capture_rng_states(fn.device, _tracker(pctx))
+        restore_rng_states(fn.rng, fn.device, _tracker(pctx))  # the forward's random draws, replayed
         try:
             with torch.enable_grad():
                 out = fn.run(x)
         finally:
-            _set_rng_states(now, fn.device, pctx)
+            restore_rng_states(now, fn.device, _tracker(pctx))
         torch.autograd.backward(out, grad)
         return None, None, None, x.grad
 

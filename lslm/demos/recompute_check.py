@@ -1,0 +1,113 @@
+"""Activation recomputation measured: bytes one block keeps and matmul flops it adds, against Korthikanti et al. 2022.
+
+For each mode of :func:`~lslm.tensor_parallel.recompute.apply_recompute` (``none``, ``selective``,
+``full``) one GPT block runs forward and backward on a fixed input: the bytes it keeps for
+backward are counted with :class:`~lslm.metrics.ActivationMemory` (fp32 CPU, float dropout noise),
+its matmul flops with ``torch.utils.flop_counter.FlopCounterMode``; the formulas are
+:func:`~lslm.metrics.activation_theory.recompute_layer_bytes` and
+:func:`~lslm.metrics.activation_theory.recompute_extra_flops`. :func:`serial_rows` measures on one
+process, :func:`tp_worker` on each rank of a tensor-parallel group (with or without sequence
+parallelism), :func:`table` prints the rows.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lslm.metrics.activation_theory import recompute_extra_flops, recompute_layer_bytes
+from lslm.metrics.activations import ActivationMemory
+from lslm.tensor_parallel.recompute import RECOMPUTE_MODES, apply_recompute
+
+__all__ = ["measure_block", "serial_rows", "table", "tp_rows", "tp_worker"]
+
+
+def measure_block(block: nn.Module, x: torch.Tensor) -> dict[str, int]:
+    """Bytes ``block(x)`` keeps for backward (its parameters left out) and matmul flops of forward + backward."""
+    with ActivationMemory(block) as act:
+        y = block(x)
+    y.sum().backward()
+    with FlopCounterMode(display=False) as flops:
+        block(x).sum().backward()
+    return {"saved_bytes": act.bytes, "flops": flops.get_total_flops()}
+
+
+def _config(s: int, b: int, h: int, a: int, dropout: float) -> Any:
+    from lslm.models.gpt import GPTConfig
+
+    return GPTConfig(vocab_size=64, block_size=s, n_layer=1, n_head=a, n_embd=h, dropout=dropout)
+
+
+def _rows(measured: dict[str, dict[str, int]], s: int, b: int, h: int, a: int, t: int, sp: bool,
+          options: dict[str, Any]) -> list[dict[str, Any]]:
+    base = measured["none"]["flops"]
+    return [{"mode": mode, "t": t, "sequence_parallel": sp, "s": s, "b": b, "h": h, "a": a,
+             "saved_bytes": m["saved_bytes"],
+             "formula_bytes": recompute_layer_bytes(s, b, h, a, t, sp, mode=mode, **options),
+             "extra_flops": m["flops"] - base, "formula_extra_flops": recompute_extra_flops(s, b, h, t, mode=mode)}
+            for mode, m in measured.items()]
+
+
+def serial_rows(s: int = 64, b: int = 2, h: int = 64, a: int = 4, *, dropout: float = 0.1,
+                seed: int = 0) -> list[dict[str, Any]]:
+    """One block of a serial GPT in each recompute mode: measured and formula bytes and extra flops, fp32 CPU."""
+    from lslm.models.gpt import GPT
+
+    measured = {}
+    x = torch.randn(b, s, h, generator=torch.Generator().manual_seed(seed + 1))  # lslm: cpu-ok (serial, CPU demo)
+    for mode in RECOMPUTE_MODES:
+        torch.manual_seed(seed)
+        model = apply_recompute(GPT(_config(s, b, h, a, dropout)).train(), mode)
+        measured[mode] = measure_block(model.blocks[0], x.clone().requires_grad_())
+    return _rows(measured, s, b, h, a, 1, False, dict(dropout=dropout > 0))
+
+
+def tp_worker(s: int = 32, b: int = 2, h: int = 32, a: int = 4, dropout: float = 0.1,
+              seed: int = 0) -> list[dict[str, Any]]:
+    """Launched on each rank: ``init_distributed(tp=world size)``, then :func:`tp_rows`."""
+    from lslm.runtime import init_distributed
+
+    ctx = init_distributed(tp=int(os.environ.get("WORLD_SIZE", "1")))
+    return tp_rows(ctx, s, b, h, a, dropout=dropout, seed=seed)
+
+
+def tp_rows(ctx: Any, s: int = 32, b: int = 2, h: int = 32, a: int = 4, *, dropout: float = 0.1,
+            seed: int = 0) -> list[dict[str, Any]]:
+    """:func:`serial_rows`' rows on this rank of ``ctx``'s TP group, without then with sequence parallelism
+    (``ctx.rng`` is set up afresh for each model)."""
+    from lslm.models.gpt import GPT
+    from lslm.tensor_parallel.apply import apply_tensor_parallel
+
+    t = ctx.tp_size
+    rows = []
+    for sp in (False, True):
+        measured = {}
+        for mode in RECOMPUTE_MODES:
+            torch.manual_seed(seed)
+            ctx.rng = None
+            model = GPT(_config(s, b, h, a, dropout)).to(ctx.device).train()
+            apply_recompute(apply_tensor_parallel(model, ctx, sequence_parallel=sp, rng_seed=1), mode, ctx)
+            x = torch.randn(b, s, h, generator=torch.Generator().manual_seed(seed + 1))  # lslm: cpu-ok (moved next)
+            x = x.to(ctx.device)
+            if sp:  # the GPT runs sequence-first under sequence parallelism: this rank's (s/t, b, h) slice
+                x = x.transpose(0, 1).chunk(t, dim=0)[ctx.tp_rank]
+            measured[mode] = measure_block(model.blocks[0], x.contiguous().requires_grad_())
+        options = dict(dropout=dropout > 0, mask_bytes=4 if ctx.device.type == "cpu" else 1)
+        rows += _rows(measured, s, b, h, a, t, sp, options)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """A fixed-width table of :func:`serial_rows` / :func:`tp_worker` rows: per block, measured vs formula."""
+    head = (f"{'mode':<10}{'t':>3}{'SP':>4}{'saved B/block':>15}{'formula':>12}{'extra flops':>14}"
+            f"{'formula':>14}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['mode']:<10}{r['t']:>3}{'yes' if r['sequence_parallel'] else 'no':>4}"
+                     f"{r['saved_bytes']:>15,}{r['formula_bytes']:>12,}{r['extra_flops']:>14,}"
+                     f"{r['formula_extra_flops']:>14,}")
+    return "\n".join(lines)
