@@ -108,8 +108,8 @@ def _pipeline_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=_int_at_least(1), nargs="+", default=[4, 8], metavar="M",
                    help="numbers of micro-batches to measure at each world size (default: 4 8)")
     p.add_argument("--repeats", type=_int_at_least(1), default=None, metavar="R",
-                   help="timed steps per schedule and implementation; the table shows their median (default: 7; "
-                        "1 with --quick)")
+                   help="timed steps per schedule and implementation; the table shows their median (default: 15, "
+                        "where one run's time-model errors stopped moving by the step-to-step noise; 1 with --quick)")
     p.add_argument("--warmup", type=_int_at_least(0), default=None, metavar="W",
                    help="untimed rounds first (default: 2; 1 with --quick)")
     p.add_argument("--quick", action="store_true",
