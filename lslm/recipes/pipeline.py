@@ -39,17 +39,22 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 
-from lslm.data.dataset import next_token_batches, token_blocks
-from lslm.data.sampler import make_sampler
+from lslm.data.dataset import next_token_batches
 from lslm.data_parallel.grad_sync import attach_grad_buffers
 from lslm.harness import Built, Marks, Recipe, StepTimer, entry_points, option, recipe_main
 from lslm.harness import summarize as summarize_run
 from lslm.pipeline.apply import PipelinePlan, apply_pipeline, check_plan
 from lslm.pipeline.partition import METHODS
 from lslm.pipeline.schedules import SCHEDULES
-from lslm.recipes.train import TrainConfig, build_model, grad_buffer_dtype, precision_fields, prepare_training
+from lslm.recipes.train import (
+    TrainConfig,
+    build_model,
+    grad_buffer_dtype,
+    precision_fields,
+    prepare_training,
+    replica_loader,
+)
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import resolve_sizes
 from lslm.runtime.startup import run_then_exit
@@ -137,11 +142,7 @@ def build(cfg: PipelineConfig, ctx: ParallelContext) -> Built:
     setup = prepare_training(local, cfg, ctx=pctx)
     optimizer = setup.optimizer
 
-    blocks = token_blocks(cfg.block_size, cfg.vocab_size)
-    sampler = make_sampler(blocks, "baseline", rank=pctx.dp_rank, world_size=dp, seed=cfg.seed)
-    loader = DataLoader(blocks, batch_size=cfg.batch_size // dp, sampler=sampler, drop_last=True)
-    if len(loader) == 0:
-        raise ValueError(f"batch_size={cfg.batch_size} exceeds the {len(blocks)} blocks available; lower it")
+    loader = replica_loader(cfg, pctx.dp_rank, dp)
     ledger = pctx.comm.ledger
     traffic: dict[str, int] = {}
 

@@ -38,15 +38,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
-from lslm.data.dataset import next_token_batches, token_blocks
-from lslm.data.sampler import make_sampler
+from lslm.data.dataset import next_token_batches
 from lslm.data_parallel.grad_sync import attach_grad_buffers
 from lslm.harness import Built, Marks, Recipe, StepTimer, entry_points, option, recipe_main
 from lslm.harness import summarize as summarize_run
 from lslm.recipes.pipeline import PipelineConfig, plan_of
-from lslm.recipes.train import adamw, build_model, grad_buffer_dtype, precision_fields, prepare_training
+from lslm.recipes.train import adamw, build_model, grad_buffer_dtype, precision_fields, prepare_training, replica_loader
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import resolve_sizes
 from lslm.runtime.startup import run_then_exit
@@ -135,11 +133,7 @@ def build(cfg: ThreeDConfig, ctx: ParallelContext) -> Built:
         def optimizer_step() -> dict[str, float]:
             return precision_fields(setup, optimizer.step(clip, clip=tdp.clip_grad_norm_))
 
-    blocks = token_blocks(cfg.block_size, cfg.vocab_size)
-    sampler = make_sampler(blocks, "baseline", rank=gctx.dp_rank, world_size=dp, seed=cfg.seed)
-    loader = DataLoader(blocks, batch_size=cfg.batch_size // dp, sampler=sampler, drop_last=True)
-    if len(loader) == 0:
-        raise ValueError(f"batch_size={cfg.batch_size} exceeds the {len(blocks)} blocks available; lower it")
+    loader = replica_loader(cfg, gctx.dp_rank, dp)
     ledger = gctx.comm.ledger
     traffic: dict[str, Any] = {}
 

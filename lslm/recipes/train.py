@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from lslm.data.dataset import batches, token_blocks
+from lslm.data.sampler import make_sampler
 from lslm.data_parallel.grad_buffer import has_main_grad
 from lslm.data_parallel.grad_sync import GRAD_DTYPES, attach_grad_buffers, resolve_grad_dtype
 from lslm.harness import Built, StepTimer, check_fields, option, parse_config, summarize, train_loop, write_run_log
@@ -32,7 +34,7 @@ from lslm.precision import PARAM_DTYPES, PRECISION_MODES, PrecisionSetup, prepar
 from lslm.runtime.context import ParallelContext
 
 __all__ = ["TrainConfig", "adamw", "build", "build_model", "data_stream", "grad_buffer_dtype", "main", "make_optimizer",
-           "precision_fields", "prepare_training", "train"]
+           "precision_fields", "prepare_training", "replica_loader", "train"]
 
 
 @dataclass
@@ -204,3 +206,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
+
+
+def replica_loader(cfg: TrainConfig, dp_rank: int, dp: int) -> DataLoader:
+    """This data-parallel replica's loader over the shipped corpus's token blocks: the global ``cfg.batch_size``
+    split over ``dp`` replicas by the seeded baseline sampler (the same split in every recipe that shards data).
+
+    Raises ValueError when one replica's share of the batch exceeds the blocks available.
+    """
+    blocks = token_blocks(cfg.block_size, cfg.vocab_size)
+    sampler = make_sampler(blocks, "baseline", rank=dp_rank, world_size=dp, seed=cfg.seed)
+    loader = DataLoader(blocks, batch_size=cfg.batch_size // dp, sampler=sampler, drop_last=True)
+    if len(loader) == 0:
+        raise ValueError(f"batch_size={cfg.batch_size} exceeds the {len(blocks)} blocks available; lower it")
+    return loader

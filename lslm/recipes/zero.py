@@ -39,16 +39,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
-from lslm.data.dataset import next_token_batches, token_blocks
-from lslm.data.sampler import make_sampler
+from lslm.data.dataset import next_token_batches
 from lslm.data_parallel.grad_sync import resolve_grad_dtype
 from lslm.harness import Built, Marks, Recipe, StepTimer, entry_points, option, recipe_main
 from lslm.harness import summarize as summarize_run
 from lslm.precision import PARAM_DTYPES
 from lslm.precision.scaler import DynamicLossScaler
-from lslm.recipes.train import TrainConfig, adamw, build_model
+from lslm.recipes.train import TrainConfig, adamw, build_model, replica_loader
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.startup import run_then_exit
 from lslm.zero.checkpoint import latest_checkpoint, load_zero, save_zero
@@ -111,11 +109,7 @@ def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
                               scaler=scaler, grad_dtype=resolve_grad_dtype(cfg.grad_reduce_dtype, dtype),
                               bucket_cap_mb=cfg.bucket_cap_mb, reshard_after_forward=not cfg.keep_gathered,
                               offload=cfg.offload, offload_dir=cfg.offload_dir, init_seed=cfg.seed if meta else None)
-    blocks = token_blocks(cfg.block_size, cfg.vocab_size)
-    sampler = make_sampler(blocks, "baseline", rank=ctx.dp_rank, world_size=dp, seed=cfg.seed)
-    loader = DataLoader(blocks, batch_size=cfg.batch_size // dp, sampler=sampler, drop_last=True)
-    if len(loader) == 0:
-        raise ValueError(f"batch_size={cfg.batch_size} exceeds the {len(blocks)} blocks available; lower it")
+    loader = replica_loader(cfg, ctx.dp_rank, dp)
     ledger = ctx.comm.ledger
     traffic: dict[str, float] = {}
     batches = next_token_batches(loader, ctx.device)
