@@ -23,7 +23,9 @@ tensor instead is copied back, so any torch optimizer works).
 
 from __future__ import annotations
 
+import os
 import shutil
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -53,11 +55,15 @@ def elementwise_state_keys(optimizer_class: type, settings: dict[str, Any],
 
 
 def check_writable(folder: str | Path) -> Path:
-    """Create ``folder`` if needed and write a probe file there; ``ValueError`` naming it if that fails."""
+    """Create ``folder`` if needed and write a probe file there; ``ValueError`` naming it if that fails.
+
+    The probe's name is this process's own (ranks often share one folder and check it at the same moment: with one
+    name, a rank could delete the other's probe between its write and its unlink).
+    """
     folder = Path(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / ".lslm-write-test"
+        probe = folder / f".lslm-write-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         probe.write_bytes(b"x")
         probe.unlink()
     except OSError as e:
