@@ -60,15 +60,19 @@ class ExpertParallelMoE(nn.Module):
         a, self.aux, self.stats = route_tokens(self.router, flat, self.capacity_factor)
         ep, n_loc = self.g.size, self.local
         recv_counts = exchange_counts(a.per_expert, self.g)  # (ep, E/ep)
-        send_splits = a.per_expert.view(ep, n_loc).sum(1).tolist()
-        recv_splits = recv_counts.sum(1).tolist()
+        # Split sizes are host integers: the sent ones from the counts route_tokens already brought to the host,
+        # the received ones in one transfer (one device sync here, not one per list).
+        per_expert = self.stats["per_expert"]
+        send_splits = [sum(per_expert[r * n_loc:(r + 1) * n_loc]) for r in range(ep)]
+        recv_host = recv_counts.tolist()
+        recv_splits = [sum(row) for row in recv_host]
         rows = all_to_all_rows(flat.index_select(0, a.tokens), recv_splits, send_splits, self.g, DISPATCH_LABEL)
         # received: by source rank, then by expert inside it; regroup by local expert (stable: source order kept)
         owner = torch.repeat_interleave(torch.arange(n_loc, device=x.device).repeat(ep), recv_counts.flatten())
         order = torch.sort(owner, stable=True).indices
         grouped = rows.index_select(0, order)
         outs, start = [], 0
-        for j, n in enumerate(recv_counts.sum(0).tolist()):
+        for j, n in enumerate(sum(col) for col in zip(*recv_host)):  # rows per local expert
             outs.append(self.experts[j](grouped[start:start + n]))
             start += n
         y = torch.cat(outs).index_select(0, torch.argsort(order))  # back to the order the rows arrived in
