@@ -246,6 +246,7 @@ def worker(model: dict[str, Any], batch: int, microbatches: list[int], repeats: 
     ``{"rank"}``. ``p2p_fit``: the alpha-beta fit the time model prices messages with (None: free messages)."""
     from lslm.models.gpt import GPT, GPTConfig
     from lslm.pipeline.apply import PipelinePlan, apply_pipeline
+    from lslm.pipeline.p2p import is_p2p_label
     from lslm.pipeline.torch_reference import TorchPipeline
     from lslm.runtime import init_distributed
 
@@ -321,7 +322,7 @@ def worker(model: dict[str, Any], batch: int, microbatches: list[int], repeats: 
                 for prm in pipe.parameters():
                     prm.grad = None
                 pipe.step(x, y)
-                sent = [r for r in ledger.records[since:] if r.label.startswith(("pp F ", "pp B "))]
+                sent = [r for r in ledger.records[since:] if is_p2p_label(r.label)]
                 first = next(iter(pipe.stages.values()))
                 # One micro-batch's hidden states (rows x time x width), the size of every activation and gradient.
                 message = (x.shape[0] // m * x.shape[1] * first.config.n_embd

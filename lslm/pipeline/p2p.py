@@ -30,7 +30,8 @@ from lslm.pipeline.actions import Action
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.records import CommRecord
 
-__all__ = ["InFlight", "action_of_record", "comm_label", "exchange", "peer_stage", "post", "reap_completed"]
+__all__ = ["InFlight", "action_of_record", "comm_label", "exchange", "is_p2p_label", "peer_stage", "post",
+           "reap_completed"]
 
 #: Sends still in flight: each work with the tensors it keeps alive until it is waited.
 InFlight = list[tuple[Any, list[torch.Tensor]]]
@@ -42,6 +43,11 @@ def comm_label(action: Action) -> str:
     """The ledger label of a communication action: ``"pp F s2 mb5"`` / ``"pp B s2 mb5"``."""
     direction = action.kind[-1]  # SEND_F/RECV_F -> F, SEND_B/RECV_B -> B
     return f"pp {direction} s{action.stage} mb{action.mb}"
+
+
+def is_p2p_label(label: str) -> bool:
+    """True for a ledger label :func:`comm_label` makes: an activation or a gradient between stages."""
+    return _LABEL.match(label) is not None
 
 
 def action_of_record(record: CommRecord) -> Action | None:

@@ -45,6 +45,7 @@ from lslm.data_parallel.grad_sync import attach_grad_buffers
 from lslm.harness import Built, Marks, Recipe, StepTimer, entry_points, option, recipe_main
 from lslm.harness import summarize as summarize_run
 from lslm.pipeline.apply import PipelinePlan, apply_pipeline, check_plan
+from lslm.pipeline.p2p import is_p2p_label
 from lslm.pipeline.partition import METHODS
 from lslm.pipeline.schedules import SCHEDULES
 from lslm.recipes.train import (
@@ -119,10 +120,6 @@ def check_config(cfg: PipelineConfig, world_size: int) -> int:
     return dp
 
 
-def _is_p2p(label: str) -> bool:
-    return label.startswith(("pp F ", "pp B "))
-
-
 def build(cfg: PipelineConfig, ctx: ParallelContext) -> Built:
     """The pipeline technique on this rank: its stages, AdamW on their parameters, this replica's batches, the step."""
     dp = check_config(cfg, ctx.world_size)
@@ -156,7 +153,7 @@ def build(cfg: PipelineConfig, ctx: ParallelContext) -> Built:
         stepped = optimizer.step(cfg.grad_clip if cfg.grad_clip > 0 else None,
                                  clip=lambda params, max_norm: clip_grad_norm_(params, max_norm, pctx))
         recs = ledger.snapshot()[since:]
-        p2p = [r for r in recs if _is_p2p(r.label)]
+        p2p = [r for r in recs if is_p2p_label(r.label)]
         dp_bytes = sum(r.nbytes for r in recs if r.label.startswith("pp dp grads"))
         clip_bytes = sum(r.nbytes for r in recs if r.label == CLIP_LABEL)
         traffic.update(pp_comm_bytes=sum(r.nbytes for r in p2p), pp_comm_calls=len(p2p), dp_comm_bytes=dp_bytes,

@@ -43,6 +43,7 @@ from lslm.data.dataset import next_token_batches
 from lslm.data_parallel.grad_sync import attach_grad_buffers
 from lslm.harness import Built, Marks, Recipe, StepTimer, entry_points, option, recipe_main
 from lslm.harness import summarize as summarize_run
+from lslm.pipeline.p2p import is_p2p_label
 from lslm.recipes.pipeline import PipelineConfig, plan_of
 from lslm.recipes.train import adamw, build_model, grad_buffer_dtype, precision_fields, prepare_training, replica_loader
 from lslm.runtime.context import ParallelContext
@@ -100,10 +101,6 @@ def check_config(cfg: ThreeDConfig, world_size: int) -> int:
     return dp
 
 
-def _is_p2p(label: str) -> bool:
-    return label.startswith(("pp F ", "pp B "))
-
-
 def _is_dp(label: str) -> bool:
     return label.startswith("pp dp grads") or label in (REDUCE_SCATTER_LABEL, GATHER_LABEL)
 
@@ -145,7 +142,7 @@ def build(cfg: ThreeDConfig, ctx: ParallelContext) -> Built:
         timer.mark("backward_end")
         figures = optimizer_step()
         recs = ledger.snapshot()[since:]
-        p2p = sum(r.nbytes for r in recs if _is_p2p(r.label))
+        p2p = sum(r.nbytes for r in recs if is_p2p_label(r.label))
         dp_bytes = sum(r.nbytes for r in recs if _is_dp(r.label))
         tp_bytes = sum(r.nbytes for r in recs if r.axis == "tp")  # the group of the ranks differing only in tp
         traffic.update(pp_comm_bytes=p2p, dp_comm_bytes=dp_bytes, tp_comm_bytes=tp_bytes,
