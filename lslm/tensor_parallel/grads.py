@@ -59,14 +59,7 @@ def sync_sequence_parallel_grads(model: nn.Module, ctx: ParallelContext) -> int:
         if not all(has_main_grad(p) for p in params):
             raise ValueError("some sequence-parallel parameters hold .grad while the others live in a shared "
                              "gradient buffer: attach buffers to the whole model")
-        views = [p.main_grad for p in params]
-        flat = torch.cat([v.reshape(-1) for v in views])
-        ctx.comm.all_reduce(flat, group=ctx.tp_group, label=SP_GRAD_LABEL)
-        offset = 0
-        for v in views:
-            v.copy_(flat[offset:offset + v.numel()].view_as(v))
-            offset += v.numel()
-        return flat.numel()
+        return _sum_over_tp([p.main_grad for p in params], ctx)
     buffers, plain = split_by_holder(params)
     if buffers:
         if plain:
@@ -77,13 +70,7 @@ def sync_sequence_parallel_grads(model: nn.Module, ctx: ParallelContext) -> int:
     grads = [p.grad for p in plain if p.grad is not None]
     if not grads:
         return 0
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    ctx.comm.all_reduce(flat, group=ctx.tp_group, label=SP_GRAD_LABEL)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-    return flat.numel()
+    return _sum_over_tp(grads, ctx)
 
 
 def sync_replicated_head_grads(model: nn.Module, ctx: ParallelContext) -> int:
@@ -132,3 +119,14 @@ def sync_tensor_parallel_grads(model: nn.Module, ctx: ParallelContext) -> None:
     """Every gradient fix-up tensor parallelism needs after backward: sequence-parallel and replicated heads."""
     sync_sequence_parallel_grads(model, ctx)
     sync_replicated_head_grads(model, ctx)
+
+
+def _sum_over_tp(tensors: list[torch.Tensor], ctx: ParallelContext) -> int:
+    """Sum ``tensors`` over the TP group in one all-reduce of their concatenation, written back; elements reduced."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    ctx.comm.all_reduce(flat, group=ctx.tp_group, label=SP_GRAD_LABEL)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return flat.numel()
