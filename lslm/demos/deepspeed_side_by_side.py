@@ -132,7 +132,7 @@ def format_table(result: dict[str, Any]) -> str:
 def deepspeed_side_by_side(nproc: int = 2, steps: int = STEPS, timeout: float = 300.0) -> dict[str, Any]:
     """Launch :func:`worker` on ``nproc`` processes; return rank 0's numbers (``result["table"]``: them printed),
     or ``{"skipped": reason, "table": ...}`` where DeepSpeed cannot run here. The first call in a fresh
-    environment compiles DeepSpeed's op (about 75 s on 2 cores); after that, tens of seconds."""
+    environment takes no longer: DeepSpeed compiles nothing for ZeRO here (lslm.integrations.deepspeed_zero)."""
     from lslm.launcher.launch import launch
 
     ok, why = deepspeed_available()

@@ -1,15 +1,19 @@
 """DeepSpeed's ZeRO engine (stages 1-3, optional CPU offload), set up for side-by-side runs with lslm's ZeRO.
 
 DeepSpeed is part of the course's environment (``pyproject.toml``'s ``[test]`` extra, installed by the Makefile
-after torch with ``DS_BUILD_OPS=0`` and ``--no-build-isolation``). Its C++ ops are compiled on first use (JIT) by
-torch's extension builder: on a CPU machine the first :func:`deepspeed.initialize` builds a shared-memory
-collective op (about 75 s on 2 cores), once per environment, because :func:`prepare_environment` points
-``TORCH_EXTENSIONS_DIR`` at a folder inside the environment (``<sys.prefix>/torch_extensions``) before DeepSpeed
-is imported. Its CPU Adam op would take ~110 s more: :func:`ds_config` keeps the client torch optimizer instead
-(``zero_force_ds_cpu_optimizer: false``), which is also what makes the arithmetic identical to lslm's.
+after torch with ``DS_BUILD_OPS=0`` and ``--no-build-isolation``), so its C++ ops would be compiled on first use
+(JIT) by torch's extension builder. ZeRO training here needs none of them: :func:`ds_config` keeps the client torch
+optimizer (``zero_force_ds_cpu_optimizer: false``; otherwise DeepSpeed swaps in its CPU Adam op, ~110 s to
+compile, and the arithmetic would no longer be lslm's), and the CPU accelerator's shared-memory collective op
+(``deepspeed_shm_comm``, ~75 s to compile on 2 cores), which DeepSpeed's communication backend builds when it
+starts, serves only ``inference_all_reduce`` (tensor-parallel inference), never a ZeRO step: :func:`build_engine`
+marks it unavailable before :func:`deepspeed.initialize`, so no process compiles or loads anything and every
+collective of the engine goes through ``torch.distributed`` (where lslm's dispatcher counts see it).
+:func:`prepare_environment` still points ``TORCH_EXTENSIONS_DIR`` inside the environment, for anyone who enables
+an op by hand.
 
-On a machine where DeepSpeed is not importable or its ops cannot compile (no C++ compiler),
-:func:`deepspeed_available` says why, and the tests, bench rows and demo that need it skip with that reason.
+On a machine where DeepSpeed is not importable, :func:`deepspeed_available` says why, and the tests, bench rows
+and demo that need it skip with that reason.
 
 **What DeepSpeed keeps per rank, fp32 AdamW** (counted by :func:`lslm.metrics.held.held_by_owner` after a step;
 ``Ψ`` parameters, ``N`` ranks; measured with DeepSpeed 0.19.8, tests/test_zero_deepspeed.py). Stages 1 and 2
@@ -41,8 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BUCKET_NUMEL", "OFFLOADS", "STAGES", "build_engine", "deepspeed_available", "ds_config", "extensions_dir",
-           "prepare_environment"]
+__all__ = ["BUCKET_NUMEL", "OFFLOADS", "SHM_OP", "STAGES", "build_engine", "deepspeed_available", "ds_config",
+           "extensions_dir", "prepare_environment", "skip_inference_ops"]
 
 STAGES = (1, 2, 3)
 #: Where DeepSpeed may keep the optimizer (and at stage 3 the parameters): on the device, or on the host.
@@ -65,62 +69,52 @@ def prepare_environment() -> Path:
     return folder
 
 
-#: Run in a child process by :func:`deepspeed_available`: import DeepSpeed, find the op its accelerator needs,
-#: build or load it; print ``[ok, message]`` as JSON.
+#: Run in a child process by :func:`deepspeed_available`: import DeepSpeed and name its accelerator; print
+#: ``[ok, message]`` as JSON.
 _CHECK = """
-import json, sys
-build = sys.argv[1] == "1"
+import json
 try:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 except Exception as exc:
     print(json.dumps([False, f"deepspeed is not importable: {type(exc).__name__}: {exc}"]))
-    sys.exit()
-what = f"deepspeed {deepspeed.__version__} ({get_accelerator().device_name()}"
-builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-    print(json.dumps([True, what + ", no op to build)"]))
-    sys.exit()
-if build:
-    import os, shutil
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        print(json.dumps([False, f"DeepSpeed needs a C++ compiler ({cxx}) to build its {builder.NAME} op, and "
-                                 "none is on PATH"]))
-        sys.exit()
-    try:
-        builder.load(verbose=False)
-    except Exception as exc:
-        print(json.dumps([False, f"DeepSpeed's {builder.NAME} op did not compile: {type(exc).__name__}: {exc}"]))
-        sys.exit()
-print(json.dumps([True, what + f", op {builder.NAME} cached in " + sys.argv[2] + ")"]))
+else:
+    print(json.dumps([True, f"deepspeed {deepspeed.__version__} ({get_accelerator().device_name()} accelerator)"]))
 """
+
+#: The op DeepSpeed's communication backend builds at start-up on a CPU accelerator, for inference only.
+SHM_OP = "deepspeed_shm_comm"
 
 
 @functools.cache
-def deepspeed_available(build: bool = True, timeout: float = 1200.0) -> tuple[bool, str]:
+def deepspeed_available(timeout: float = 300.0) -> tuple[bool, str]:
     """``(True, what was found)`` if DeepSpeed can run here, else ``(False, why not)``.
 
     Checks, in a child process (so that neither a test session nor a notebook kernel imports DeepSpeed), that
-    ``deepspeed`` imports and, where its accelerator needs one (the CPU accelerator's shared-memory op), that a
-    C++ compiler (``$CXX``, else ``c++``: what torch's extension builder calls) exists and, with ``build=True``,
-    that the op compiles or loads from the cache in
-    :func:`extensions_dir` (the first call in a fresh environment compiles: about 75 s on 2 idle cores; later
-    ones load it). Building here, once, also spares the ranks of a job racing to compile it. The answer is
+    ``deepspeed`` imports and which accelerator it picks. Nothing is compiled (see the module doc). The answer is
     cached for the life of this process.
     """
-    folder = prepare_environment()
+    prepare_environment()
     try:
-        done = subprocess.run([sys.executable, "-c", _CHECK, "1" if build else "0", str(folder)], capture_output=True,
-                              text=True, timeout=timeout, env={**os.environ, "TORCH_EXTENSIONS_DIR": str(folder)})
+        done = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return False, f"DeepSpeed's op did not build within {timeout:.0f} s"
+        return False, f"importing DeepSpeed took more than {timeout:.0f} s"
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return False, f"the DeepSpeed check failed (exit code {done.returncode}): {tail}"
     ok, message = json.loads(lines[-1])
     return bool(ok), str(message)
+
+
+def skip_inference_ops() -> None:
+    """Mark DeepSpeed's shared-memory inference all-reduce op unavailable in this process, so its communication
+    backend starts without compiling or loading it (ZeRO never calls it; see the module doc). DeepSpeed probes
+    which ops are compatible once per process and keeps the answer in ``deepspeed.ops.__compatible_ops__``: this
+    edits that answer, before :func:`deepspeed.initialize` creates the backend."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_OP] = False
 
 
 def ds_config(stage: int, micro_batch: int, world_size: int, *, offload: str | None = None,
@@ -165,8 +159,10 @@ def build_engine(model: nn.Module, optimizer: torch.optim.Optimizer, stage: int,
     """``deepspeed.initialize`` on ``model`` and the client ``optimizer`` (built over ``model``'s parameters) in
     the process group that is already joined; returns the engine (``engine(x, y)``, ``engine.backward(loss)``,
     ``engine.step()``; call ``engine.destroy()`` before the group ends: without it a rare abort at exit)."""
-    prepare_environment()  # before the import: where its ops are cached (the launching process checked them)
+    prepare_environment()  # before the import: where an op enabled by hand would be cached
     import deepspeed
+
+    skip_inference_ops()
 
     world = torch.distributed.get_world_size()
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, dist_init_required=False,
