@@ -24,7 +24,7 @@ TORCH_INDEX ?=
 PORT ?= 8888
 # DeepSpeed (the [test] extra pins the same version): an sdist whose setup imports torch, so it is installed after
 # torch, against it (--no-build-isolation: otherwise pip would build it against a fresh CUDA torch), with
-# DS_BUILD_OPS=0 (its C++ ops compile on first use, into .venv/torch_extensions; see lslm.integrations.deepspeed_zero)
+# DS_BUILD_OPS=0 (no C++ op is built at install; ZeRO training here needs none: see lslm.integrations.deepspeed_zero)
 DEEPSPEED ?= deepspeed==0.19.8
 LAB_ARGS ?=
 PYTEST_ARGS ?=
