@@ -102,6 +102,7 @@ def test_cp_gradients_are_one_all_reduce_per_bucket_over_dp_x_cp(nproc: int, bac
             cp, sp = ledger["cp"], ledger["sp"]
             assert ledger["elements"] == ledger["local_numel"], run  # every local gradient summed once
             assert cp["group_sizes"] == [run["dp"] * run["cp"]], run
+            assert cp["bytes"] == 4 * ledger["local_numel"], run  # fp32, unpadded: this rank's parameters once
             if run["buffers"]:  # one all-reduce per bucket, in place: the buffers' bytes exactly
                 assert cp["count"] == cp["want_count"] > 1 and cp["bytes"] == cp["want_bytes"], run
             else:  # one flat all-reduce of the .grad tensors
@@ -109,6 +110,9 @@ def test_cp_gradients_are_one_all_reduce_per_bucket_over_dp_x_cp(nproc: int, bac
             if run["sp"]:  # the sequence-parallel buffer summed over tp first, bucket by bucket
                 assert sp["count"] == sp["want_count"] >= 1 and sp["bytes"] == sp["want_bytes"] > 0, run
                 assert sp["group_sizes"] == [run["tp"]], run
+                # LayerNorms (2C each, two a block and ln_f), the row-parallel biases (C, two a block), wpe (T x C)
+                C, L, T = 64, 2, 32
+                assert sp["bytes"] == 4 * (L * (2 * 2 * C + 2 * C) + 2 * C + T * C), run
             else:
                 assert sp["count"] == 0, run
 
@@ -125,5 +129,6 @@ def test_expert_parallel_on_buffers_equals_serial(nproc: int, backend: str) -> N
         assert layer["grad_experts_unreduced"] > 100 * TOL and layer["grad_experts_averaged_as_dense"] > 100 * TOL
         led = layer["ledger"]
         assert led["count"] == led["want_count"] and led["bytes"] == led["want_bytes"] and led["group_sizes"] == [2]
+        assert led["bytes"] == 4 * 8 * 16  # the dense part is the router's gate: experts x width, fp32
         assert layer["other_ops"] == [] and layer["ep_buckets"] > 1, layer  # the experts' buckets never all-reduced
         assert moe["loss_diff"] <= TOL and moe["param_diff"] <= 1e-6, moe
