@@ -5,7 +5,9 @@
 * :mod:`.ring` - ring attention, forward and the written-out backward, log-sum-exp merges;
 * :mod:`.ulysses` - DeepSpeed-Ulysses: all-to-all from sequence- to head-sharded and back;
 * :mod:`.traffic` - bytes per rank of both, as formulas the ledger is checked against;
-* :mod:`.apply` - :func:`apply_context_parallel` for lslm's GPT, the sharded batch, loss and gradient sum.
+* :mod:`.apply` - :func:`apply_context_parallel` for lslm's GPT (alone or after ``apply_tensor_parallel``,
+  with or without sequence parallelism), the sharded batch, loss and gradient sum (``.grad`` or the
+  gradient buffers, over ``dp × cp``).
 
 torch's own ``context_parallel`` does not run on CPU in torch 2.13 (it replaces only the CUDA
 flash, memory-efficient and cuDNN attention kernels; see :mod:`.ring`): everything here is checked

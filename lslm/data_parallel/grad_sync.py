@@ -10,7 +10,12 @@ A parameter's gradient needs, after backward:
   attention with fewer heads than ranks) needs the sum over exactly the ranks sharing it,
   then the dp mean. Its buffer gives every parameter ``n_kv`` slots and each rank writes its
   head's slot, so one all-reduce over the whole TP group sums each head's slot over its
-  sharers (the other ranks add zeros there).
+  sharers (the other ranks add zeros there);
+* ``"ep"``: an expert of an expert-parallel MoE, held by one rank of the ep (= dp) group
+  (:mod:`lslm.expert_parallel`): its gradient arrives already summed over every rank's tokens
+  (the all-to-all's backward brings it), so it needs no collective, only the division by ep.
+  Averaging it over dp like the others would add up *different* experts' gradients (each
+  rank's buffer holds its own experts), hence a buffer of its own.
 
 :func:`attach_grad_buffers` builds one :class:`~lslm.data_parallel.grad_buffer.GradBuffer`
 per (kind, device, dtype) present and attaches them (``main_grad`` on every parameter).
@@ -35,7 +40,7 @@ from lslm.runtime.context import ParallelContext
 __all__ = ["GRAD_DTYPES", "KINDS", "attach_grad_buffers", "detach_grad_buffers", "finish_reductions", "grad_kind",
            "reduce_buffers", "resolve_grad_dtype", "split_by_holder", "zero_grad_buffers"]
 
-KINDS = ("dp", "sp", "kv-heads")
+KINDS = ("dp", "sp", "kv-heads", "ep")
 #: ``--grad-reduce-dtype`` choices: fp32 buffers (Megatron's default for bf16), or the parameters' own dtype.
 GRAD_DTYPES = ("fp32", "param")
 
@@ -48,9 +53,11 @@ def resolve_grad_dtype(choice: str, param_dtype: torch.dtype) -> torch.dtype:
 
 
 def grad_kind(param: torch.Tensor) -> str:
-    """Which reduction ``param``'s gradient needs (:data:`KINDS`), from the marks tensor parallelism sets."""
+    """Which reduction ``param``'s gradient needs (:data:`KINDS`), from the marks tensor and expert parallelism set."""
     if getattr(param, "replicated_heads", None):
         return "kv-heads"
+    if getattr(param, "expert_parallel", False):
+        return "ep"
     if getattr(param, "sequence_parallel", False):
         return "sp"
     return "dp"
@@ -80,7 +87,7 @@ def attach_grad_buffers(model: nn.Module | Iterable[torch.Tensor], ctx: Parallel
     bucket per buffer. ``pad_to``: see :class:`GradBuffer`. ``one_kind``: one buffer of that kind
     for every parameter whatever its marks (ZeRO's single flat layout); a sequence-parallel
     parameter's tp sum then runs on its ``main_grad`` view (:mod:`lslm.tensor_parallel.grads`).
-    Replicated key/value heads need their slots and refuse it.
+    Replicated key/value heads (their slots) and experts (no dp average) refuse it.
     """
     named = _unique_params(model)
     if not named:
@@ -88,12 +95,16 @@ def attach_grad_buffers(model: nn.Module | Iterable[torch.Tensor], ctx: Parallel
     cap = None if bucket_cap_mb is None else cap_bytes(bucket_cap_mb)
     groups: dict[tuple[str, torch.device], list[tuple[str, nn.Parameter]]] = {}
     if one_kind is not None:
-        if one_kind not in KINDS or one_kind == "kv-heads":
+        if one_kind not in ("dp", "sp"):
             raise ValueError(f"one_kind must be 'dp' or 'sp', got {one_kind!r}")
         heads = [n for n, p in named if grad_kind(p) == "kv-heads"]
         if heads:
             raise ValueError(f"{heads[0]!r} is a replicated key/value head, which needs a slot per head in a buffer "
                              "of its own: one_kind cannot hold it")
+        experts = [n for n, p in named if grad_kind(p) == "ep"]
+        if experts:
+            raise ValueError(f"{experts[0]!r} is an expert of an expert-parallel MoE, whose gradient is not averaged "
+                             "over dp like the others: one_kind cannot hold it")
     for n, p in named:
         groups.setdefault((one_kind or grad_kind(p), p.device), []).append((n, p))
     buffers = []
@@ -132,9 +143,17 @@ def reduce_buffers(buffers: Iterable[GradBuffer], ctx: ParallelContext, group: A
                    divide_by: int = 1, async_op: bool = False) -> list[tuple[Any, torch.Tensor]]:
     """One SUM all-reduce per bucket of every buffer over ``group``, in place; then divide by ``divide_by``.
 
+    An ``"ep"`` buffer (an expert-parallel MoE's experts) is refused: its experts differ from one
+    ep rank to the next, and their rule is a division (:func:`lslm.expert_parallel.reduce_expert_parallel_grads`).
+
     Synchronous: returns ``[]`` once done. ``async_op=True``: returns ``(work, bucket view)`` pairs;
     the caller waits each work and divides (:func:`finish_reductions`).
     """
+    buffers = list(buffers)
+    experts = [buf for buf in buffers if buf.kind == "ep"]
+    if experts:
+        raise ValueError("an 'ep' gradient buffer holds an expert-parallel MoE's experts, different on each ep rank: "
+                         "lslm.expert_parallel.reduce_expert_parallel_grads divides it by ep; it is not all-reduced")
     pending = []
     for buf in buffers:
         for b in range(len(buf.buckets)):

@@ -5,7 +5,8 @@
 * :mod:`.moe` - the serial :class:`MoE` layer, :func:`apply_moe` in place of each block's MLP;
 * :mod:`.group` - the ep group (the data-parallel ranks: the grid has no ``ep`` axis);
 * :mod:`.all_to_all` - the uneven all-to-all (counts first, then rows) and its autograd reverse;
-* :mod:`.parallel` - :class:`ExpertParallelMoE`, :func:`apply_expert_parallel`, the gradient rule;
+* :mod:`.parallel` - :class:`ExpertParallelMoE`, :func:`apply_expert_parallel`, the gradient rule (on ``.grad``
+  or on gradient buffers, where the experts have a buffer of their own, kind ``"ep"``);
 * :mod:`.traffic` - bytes per rank per layer, the formula the ledger is checked against;
 * :mod:`.balance` - tokens per expert and dropped tokens per layer, for a plot over training.
 

@@ -17,6 +17,11 @@ count exchange. Gradients: each rank's loss is the mean over its own shard, so t
 expert's gradient, which already arrived as the *sum* over every rank's tokens, is divided by ep
 on its single owner (:func:`reduce_expert_parallel_grads`). Exactly the serial MoE applied to each
 shard with the shards' losses averaged: tests/test_expert_parallel.py checks it.
+
+With gradient buffers (:func:`~lslm.data_parallel.grad_sync.attach_grad_buffers` after
+:func:`apply_expert_parallel`), the experts' parameters are marked ``expert_parallel`` and get a
+buffer of their own (kind ``"ep"``): the dense buffers are averaged over ep (one all-reduce per
+bucket, in place), the experts' buffer is only divided (tests/test_cp_compose.py).
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed import ReduceOp
 
+from lslm.data_parallel.grad_sync import split_by_holder
 from lslm.expert_parallel.all_to_all import all_to_all_rows, exchange_counts
 from lslm.expert_parallel.group import EPGroup
 from lslm.expert_parallel.moe import MoE, check_moe, route_tokens
@@ -49,6 +56,8 @@ class ExpertParallelMoE(nn.Module):
         self.first = g.index * self.local
         self.router = moe.router
         self.experts = nn.ModuleList(moe.experts[self.first:self.first + self.local])  # the others are let go
+        for p in self.experts.parameters():
+            p.expert_parallel = True  # its gradient is divided by ep, never averaged over dp (grad_sync's "ep")
         self.dropout = moe.dropout
         self.aux: dict[str, torch.Tensor] = {}  # auxiliary losses of the last forward, on this rank's tokens
         self.stats: dict[str, Any] = {}  # assignments per expert (routed, kept), dropped: this rank's tokens
@@ -106,15 +115,36 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def reduce_expert_parallel_grads(model: nn.Module, g: EPGroup) -> int:
-    """Average the replicated parameters' ``.grad`` over ep (one flat all-reduce), divide the experts' by ep.
+    """Average the replicated parameters' gradients over ep, divide the experts' by ep; returns elements all-reduced.
 
-    Returns the elements all-reduced. Each rank's loss is the mean over its shard (see the module
-    doc); gradients kept in ``main_grad`` buffers are refused rather than left unreduced.
+    Each rank's loss is the mean over its shard (see the module doc). Gradients in buffers
+    (``main_grad``): every buffer but the experts' (kind ``"ep"``) is all-reduced over ep bucket by
+    bucket, in place, and divided; the experts' buffer is divided with no collective. Otherwise
+    the ``.grad`` tensors of the replicated parameters go in one flat all-reduce.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    if any(hasattr(p, "main_grad") for p in params):
-        raise ValueError("this model keeps gradients in main_grad buffers; reduce_expert_parallel_grads uses .grad")
+    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
     experts = {id(p) for p in expert_parameters(model)}
+    buffers, plain = split_by_holder(params)
+    if buffers:
+        if plain:
+            raise ValueError(f"{len(plain)} parameters hold .grad while the others have gradient buffers: attach "
+                             "buffers to the whole model")
+        mixed = [b for b in buffers if b.kind != "ep" and any(id(p) in experts for p in b.params)]
+        if mixed:
+            raise ValueError(f"a {mixed[0].kind!r} gradient buffer holds expert parameters, which must not be "
+                             "averaged over dp: attach_grad_buffers after apply_expert_parallel, without one_kind")
+        dense = [b for b in buffers if b.kind != "ep"]
+        for buf in buffers:
+            if buf.kind == "ep":
+                buf.data.div_(g.size)  # already the sum over every rank's tokens
+        if g.size == 1:
+            return 0
+        for buf in dense:  # one SUM all-reduce per bucket, in place (ReduceOp.AVG is not on every backend)
+            for b in range(len(buf.buckets)):
+                view = buf.bucket_view(b)
+                g.comm.all_reduce(view, ReduceOp.SUM, group=g.group, label=GRAD_LABEL)
+                view.div_(g.size)
+        return sum(b.numel for b in dense)
     shared = [p for p in params if id(p) not in experts]
     for p in params:
         if id(p) in experts and p.grad is not None:

@@ -275,6 +275,9 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext, plan: TPPlan |
     """
     if getattr(model, "tensor_parallel", None) is not None:
         raise ValueError("this model is already tensor-parallel (apply_tensor_parallel was called on it)")
+    if getattr(model, "context_parallel", None) is not None:
+        raise ValueError("this model is already context-parallel: call apply_tensor_parallel first, then "
+                         "apply_context_parallel (its attention core runs on each tp rank's heads)")
     meta = is_meta(model)
     if meta and init_seed is None:
         raise ValueError("the model is on the meta device (shapes only): pass init_seed=<the seed the serial run "

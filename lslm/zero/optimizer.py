@@ -147,6 +147,10 @@ class ZeroOptimizer:
         if any(grad_kind(p) == "kv-heads" for p in params):
             raise ValueError("replicated key/value heads need a slot per head in a gradient buffer of their own; "
                              "ZeroOptimizer keeps one layout: use tp <= the number of key/value heads")
+        if any(grad_kind(p) == "ep" for p in params):
+            raise ValueError("an expert-parallel MoE's experts are divided by ep, not averaged over dp, and each dp "
+                             "rank holds different experts: ZeroOptimizer shards one dp-averaged layout; train it with "
+                             "lslm.expert_parallel.reduce_expert_parallel_grads and a plain optimizer")
         if stage > 1 and any(grad_kind(p) == "sp" for p in params):
             raise ValueError(f"ZeRO stage {stage} reduce-scatters gradients during backward, before the sequence-"
                              "parallel sum over tp could run: use stage 1 with sequence parallelism")

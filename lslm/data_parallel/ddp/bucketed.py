@@ -95,6 +95,11 @@ class BucketedDDP(BucketPlanDDP):
     def _adopt_grad_buffers(self) -> None:
         """Buckets = the gradient buffers' buckets, in buffer order; each bucket's slice is all-reduced in place."""
         mine = {id(p) for p in self.params}
+        experts = [buf for buf in self.grad_buffers if buf.kind == "ep"]
+        if experts:
+            raise ValueError("an 'ep' gradient buffer holds an expert-parallel MoE's experts, which differ across the "
+                             "dp ranks and must not be averaged over them: reduce with "
+                             "lslm.expert_parallel.reduce_expert_parallel_grads instead of DDP")
         plain = [n for n, p in zip(self.param_names, self.params) if not has_main_grad(p)]
         if plain:
             raise ValueError(f"{plain[0]!r} has no gradient buffer while other parameters do: attach buffers to "
