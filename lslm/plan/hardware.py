@@ -10,6 +10,11 @@ The GPU presets are **vendor datasheet figures** (dense tensor-core peaks, link 
 latencies (``alpha``) are our assumptions. Nothing here was measured on those GPUs: edit any field
 (``dataclasses.replace``) to plan with your own measurements. ``compute_efficiency`` scales every peak (1.0:
 the roofline's upper bound; the fraction of peak a real run reaches is what to measure and put here).
+
+Three more fields describe a CPU box and stay unset on the GPU presets (:mod:`lslm.plan.timing` says how each
+enters the step): ``layer_overhead_s``, a layer pass's fixed cost; ``optimizer_Bps``, the optimizer step's
+streaming rate; ``cores``, the cores all the processes share. The ``cpu-box`` preset's numbers are calibrated
+from committed measurements (:mod:`lslm.plan.calibrate`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ course's ``cpu-box`` preset calibrates them, :mod:`lslm.plan.calibrate`):
   on top of ``flops / rate`` (elementwise ops, softmax, layer norms, op dispatch: work that does not scale with
   the matmuls), and the head with the loss one more of each. On small widths it is a third of a layer's time.
 * *core sharing* (``hw.cores``): ``world`` processes on ``cores`` cores time-slice, so a step takes at least
-  the total compute over the cores, ``world/cores · m · T_mb``; the term is what that adds to the schedule
+  the total compute over the cores, ``world/cores · m · T_mb`` (every stage's work counted as the last
+  stage's, head included: slightly more than the first stages do); the term is what that adds to the schedule
   (``m T_mb + bubble``): all of it without a pipeline, only beyond the bubble with one.
 * *no overlap without a spare core*: with ``world >= cores`` every core computes, so data-parallel
   communication is exposed whole.
@@ -154,8 +155,10 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
     p, v = layout.pp, layout.v
     compute = m * t_mb
     bubble = (p - 1) / v * t_mb
-    times = {"compute": Term("compute", compute, "s", "m · T_mb (6N-style flops + attention, at peak x efficiency)",
-                             NARAYANAN),
+    fixed = hw.layer_overhead_s
+    what = "m · T_mb (6N-style flops + attention, at peak x efficiency" + (
+        f"; + {fixed[0] * 1e3:.3g} / {fixed[1] * 1e3:.3g} ms per layer forward / backward)" if any(fixed) else ")")
+    times = {"compute": Term("compute", compute, "s", what, NARAYANAN),
              "bubble": Term("pipeline bubble", bubble, "s", f"(p - 1)/v · T_mb = {(p - 1) / (v * m):.4f} of compute",
                             "Narayanan et al. 2021, §2.2 (1F1B, interleaved)")}
     share = core_share(layout, hw)
