@@ -217,7 +217,7 @@ def test_plan_prints_the_traced_table_and_searches(capsys: pytest.CaptureFixture
     text = " ".join(capsys.readouterr().out.split())
     assert "examples:" in text and "lslm plan --model llama3-8b --devices 8 --search --flash" in text
     for option in ("--model", "--hardware", "--peak-tflops", "--devices", "--zero", "--sp", "--recompute",
-                   "--search", "--flash"):
+                   "--search", "--flash", "--validate", "--results"):
         assert option in text, option
 
 
@@ -231,6 +231,8 @@ def test_plan_prints_the_traced_table_and_searches(capsys: pytest.CaptureFixture
     (["plan", "--model", "gpt2-small", "--hardware", "cpu-box"], "no compute rate for bf16"),
     (["plan", "--model", "gpt2-small", "--zero", "4"], "argument --zero: invalid choice"),
     (["plan", "--model", "gpt2-small", "--inter-gbps", "0"], "Link.bandwidth_Bps must be > 0"),
+    (["plan", "--model", "gpt2-small", "--results", "bench/results"], "--results goes with --validate"),
+    (["plan", "--validate", "--results", "no/such/folder"], "lacks tp.json, pipeline.json, zero.json"),
 ])
 def test_plan_refuses_bad_input_with_what_to_change(argv: list[str], message: str,
                                                     capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,7 +3,8 @@
 A preset model (``--model gpt3-175b``) or one described by flags (``--layers --hidden --heads ...``), a
 hardware preset with its numbers overridden (``--peak-tflops``, ``--efficiency``, ``--hbm-gb``,
 ``--devices-per-node``, ``--intra-gbps``/``--inter-gbps``, ``--intra-alpha-us``/``--inter-alpha-us``), and a layout
-(``--dp --tp --pp --v --zero --sp --recompute --precision``). Bad input is refused through ``parser.error`` with
+(``--dp --tp --pp --v --zero --sp --recompute --precision``). ``--validate`` prints the time model against the
+committed bench step times instead (:mod:`lslm.plan.validate`). Bad input is refused through ``parser.error`` with
 the calculator's own message (what to change).
 """
 
@@ -18,6 +19,7 @@ from lslm.plan.hardware import PRECISIONS, Link, hardware_presets
 from lslm.plan.layout import OFFLOADS, RECOMPUTE, Layout
 from lslm.plan.model import ModelSpec, model_presets
 from lslm.plan.search import search
+from lslm.plan.validate import format_validation, load_results, validate
 
 __all__ = ["EPILOG", "add_arguments", "run"]
 
@@ -25,7 +27,8 @@ EPILOG = """\
 examples:
   lslm plan --model gpt3-175b --devices 1024 --tp 8 --pp 8 --zero 1 --sp --recompute selective
   lslm plan --model llama3-8b --devices 8 --search --flash
-  lslm plan --layers 24 --hidden 2048 --heads 16 --vocab 50257 --seq 2048 --global-batch 512 --devices 64 --search"""
+  lslm plan --layers 24 --hidden 2048 --heads 16 --vocab 50257 --seq 2048 --global-batch 512 --devices 64 --search
+  lslm plan --validate"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lay.add_argument("--flash", action="store_true", help="fused attention: no s^2 activations kept")
     p.add_argument("--search", action="store_true", help="rank the layouts that fit --devices by step time")
     p.add_argument("--top", type=int, default=10, help="layouts --search prints (default 10)")
+    p.add_argument("--validate", action="store_true",
+                   help="the time model against the committed TP, pipeline and ZeRO bench step times (cpu-box)")
+    p.add_argument("--results", default=None, help="with --validate: the folder of the bench JSON files "
+                                                   "(default bench/results)")
 
 
 def _model(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelSpec:
@@ -94,6 +101,13 @@ def _model(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelSpec
 def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Print one layout's table, or the ``--top`` layouts of ``--search``. Returns the exit status."""
     try:
+        if ns.validate:
+            rows = validate(load_results(ns.results))
+            print("the calculator (cpu-box preset) against the committed benches' measured step times")
+            print(format_validation(rows))
+            return 0
+        if ns.results is not None:
+            parser.error("--results goes with --validate")
         model = _model(ns, parser)
         hw = hardware_presets()[ns.hardware]
         changes: dict[str, Any] = {}

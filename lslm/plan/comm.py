@@ -74,7 +74,7 @@ class Collective:
     def time_s(self) -> float:
         """Alpha-beta time of all calls back to back."""
         a, b, _ = self._coefficients()
-        cost = self.link.cost
+        cost = self.link.for_algorithm(self.algorithm).cost
         return self.count * (a * cost.alpha_s + b * self.payload * cost.beta_s_per_byte)
 
     def _coefficients(self) -> tuple[float, float, float]:

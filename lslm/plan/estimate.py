@@ -5,10 +5,12 @@ each module for its part: parameter counts (:mod:`.params`), memory by owner on 
 stages (:mod:`.memory`, :mod:`.states`, :mod:`.activations`), communication per axis (:mod:`.comm`) and time
 (:mod:`.timing`). Every number in :meth:`Estimate.table` carries its formula and source.
 
-Limits, in one place: dense decoder-only transformers; Adam; 1F1B / interleaved 1F1B; ring collectives with one
-alpha-beta cost per link kind (no hierarchical or tree algorithms, no congestion between concurrent groups);
-no overlap of tensor-parallel or pipeline communication; context parallelism's communication and the
-optimizer step's time are not modelled; memory fragmentation is ``Hardware.reserved_bytes``, not modelled.
+Limits, in one place: dense decoder-only transformers; Adam's states; 1F1B / interleaved 1F1B; ring collectives
+with one alpha-beta cost per link kind, or per algorithm where the link has its own fits (no hierarchical or
+tree algorithms, no congestion between concurrent groups); no overlap of tensor-parallel or pipeline
+communication; context parallelism's communication is not modelled, nor the optimizer step's time unless the
+hardware gives a streaming rate (the ``cpu-box`` does); memory fragmentation is ``Hardware.reserved_bytes``,
+not modelled.
 """
 
 from __future__ import annotations

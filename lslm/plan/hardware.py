@@ -10,6 +10,11 @@ The GPU presets are **vendor datasheet figures** (dense tensor-core peaks, link 
 latencies (``alpha``) are our assumptions. Nothing here was measured on those GPUs: edit any field
 (``dataclasses.replace``) to plan with your own measurements. ``compute_efficiency`` scales every peak (1.0:
 the roofline's upper bound; the fraction of peak a real run reaches is what to measure and put here).
+
+Three more fields describe a CPU box and stay unset on the GPU presets (:mod:`lslm.plan.timing` says how each
+enters the step): ``layer_overhead_s``, a layer pass's fixed cost; ``optimizer_Bps``, the optimizer step's
+streaming rate; ``cores``, the cores all the processes share. The ``cpu-box`` preset's numbers are calibrated
+from committed measurements (:mod:`lslm.plan.calibrate`).
 """
 
 from __future__ import annotations
@@ -20,24 +25,43 @@ from typing import Any
 
 from lslm.metrics.step_time import LinkCost
 
-__all__ = ["PRECISIONS", "Hardware", "Link", "hardware_presets"]
+__all__ = ["OPTIMIZER_BYTES", "PRECISIONS", "Hardware", "Link", "hardware_presets"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 GiB = 2**30
+#: bytes an optimizer step reads and writes per fp32 element in torch's single-tensor (``foreach=False``) loop:
+#: AdamW ``p.mul_`` (8: decay), ``m.lerp_(g)`` (12), ``v.mul_().addcmul_(g, g)`` (8 + 12), ``v.sqrt() / c``
+#: ``.add_(eps)`` (8 + 8 + 8), ``p.addcdiv_(m, denom)`` (16); SGD with momentum ``buf.mul_().add_(g)``
+#: (8 + 12), ``p.add_(buf)`` (12)
+OPTIMIZER_BYTES = {"adamw": 80, "sgd-momentum": 32}
 
 
 @dataclass(frozen=True)
 class Link:
-    """One kind of link: ``alpha_s`` per message, ``bandwidth_Bps`` bytes per second per direction per device."""
+    """One kind of link: ``alpha_s`` per message, ``bandwidth_Bps`` bytes per second per direction per device.
+
+    ``per_algorithm``: ``(algorithm, alpha_s, bandwidth_Bps)`` entries that price one collective algorithm of
+    :func:`lslm.metrics.collective_costs.cost_coefficients` with its own fit (gloo's all-gather and
+    reduce-scatter are not its all-reduce at a different size: each is measured); other algorithms, and
+    point-to-point sends, use ``alpha_s`` and ``bandwidth_Bps``.
+    """
 
     alpha_s: float
     bandwidth_Bps: float
+    per_algorithm: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.alpha_s, (int, float)) and self.alpha_s >= 0 and math.isfinite(self.alpha_s)):
             raise ValueError(f"Link.alpha_s must be a finite number >= 0 (seconds per message), got {self.alpha_s!r}")
         if not (isinstance(self.bandwidth_Bps, (int, float)) and self.bandwidth_Bps > 0):
             raise ValueError(f"Link.bandwidth_Bps must be > 0 (bytes per second), got {self.bandwidth_Bps!r}")
+
+    def for_algorithm(self, algorithm: str) -> Link:
+        """The link that prices ``algorithm``: its own entry of ``per_algorithm`` if it has one, else this one."""
+        for name, alpha, bandwidth in self.per_algorithm:
+            if name == algorithm:
+                return Link(alpha, bandwidth)
+        return self
 
     @property
     def cost(self) -> LinkCost:
@@ -66,6 +90,14 @@ class Hardware:
     #: bytes per element of a saved dropout mask: 1 where fused dropout keeps a bool mask (accelerators), 4 on a
     #: CPU, where torch's dropout multiplies by a saved float noise tensor (lslm.metrics.activation_theory)
     dropout_mask_bytes: int = 1
+    #: fixed seconds of one transformer layer's forward and backward that do not scale with its matmul flops
+    #: (elementwise ops, softmax, layer norms, op dispatch); (0, 0) on the GPU presets: not modelled there
+    layer_overhead_s: tuple[float, float] = (0.0, 0.0)
+    #: bytes per second the optimizer step streams (:data:`OPTIMIZER_BYTES` per element); None: not timed
+    optimizer_Bps: float | None = None
+    #: cores all the devices share (a CPU box: processes beyond it time-slice, and no core is left to overlap
+    #: communication with compute); None: every device computes on its own (GPUs)
+    cores: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
@@ -77,6 +109,14 @@ class Hardware:
             raise ValueError(f"Hardware.reserved_bytes must be in [0, hbm_bytes), got {self.reserved_bytes!r}")
         if self.dropout_mask_bytes not in (1, 2, 4):
             raise ValueError(f"Hardware.dropout_mask_bytes must be 1, 2 or 4, got {self.dropout_mask_bytes!r}")
+        if len(self.layer_overhead_s) != 2 or min(self.layer_overhead_s) < 0:
+            raise ValueError(f"Hardware.layer_overhead_s must be (forward, backward) seconds >= 0, "
+                             f"got {self.layer_overhead_s!r}")
+        if self.optimizer_Bps is not None and not self.optimizer_Bps > 0:
+            raise ValueError(f"Hardware.optimizer_Bps must be > 0 bytes per second or None, got {self.optimizer_Bps!r}")
+        if self.cores is not None and (isinstance(self.cores, bool) or not isinstance(self.cores, int)
+                                       or self.cores < 1):
+            raise ValueError(f"Hardware.cores must be an int >= 1 or None, got {self.cores!r}")
         if not 0 < self.compute_efficiency <= 1:
             raise ValueError(f"Hardware.compute_efficiency must be in (0, 1], got {self.compute_efficiency!r}")
         for precision, rate in self.peak_flops.items():
@@ -112,16 +152,27 @@ def hardware_presets() -> dict[str, Hardware]:
       both directions (450 GB/s each way); one 400 Gb/s InfiniBand NDR adapter per GPU (50 GB/s).
     * A100 SXM 80 GB: 312 Tflop/s dense bf16/fp16, 19.5 Tflop/s fp32; NVLink 3 at 600 GB/s (300 each way);
       one 200 Gb/s HDR adapter per GPU (25 GB/s).
-    * ``cpu-box``: this course's CPU machine as one "node" of 2 processes; its link is the gloo fit committed in
-      ``bench/results/collectives.json`` (4 processes: alpha 251 µs, 3.50 GB/s); it has **no compute rate**:
-      measure one and pass it (``lslm plan --peak-tflops``), the calculator will not invent it. Its "device
-      memory" is half of the machine's 23 GiB (``free -g`` when this was written), one share per process.
+    * ``cpu-box``: this course's 2-core CPU machine, gloo, fp32, every number calibrated from committed quiet
+      measurements by :func:`lslm.plan.calibrate.calibrate_cpu_box` (rounded to 4 digits here; a test keeps
+      them equal): the matmul rate of one thread, 74.08 Gflop/s, and a layer pass's fixed cost, 0.620 ms
+      forward and 0.454 ms backward (fitted to ``bench/results/pipeline.json``'s stage times at 2 processes);
+      the optimizer's streaming rate, 13.88 GB/s (``zero.json``, the DDP entry's AdamW step at 2 processes);
+      ``cores = 2``; a "node" of 2 processes whose ``intra`` link is the 2-process fit of
+      ``collectives.json`` and whose ``inter`` link, for groups of more processes than cores, the 4-process
+      fit (point-to-point: the fit of lslm's algorithms; all-reduce, all-gather, reduce-scatter: a fit of
+      gloo's own each). No bf16 rate: it was not measured. Its "device memory" is half of the machine's
+      23 GiB (``free -g`` when this was written), one share per process.
     ``reserved_bytes`` (2 GiB on the GPUs) is our assumption for the CUDA context and allocator slack.
     """
     h100 = Hardware("H100 SXM 80GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, hbm_bytes=80 * GiB,
                     devices_per_node=8, intra=Link(5e-6, 450e9), inter=Link(10e-6, 50e9), reserved_bytes=2 * GiB)
     a100 = Hardware("A100 SXM 80GB", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, hbm_bytes=80 * GiB,
                     devices_per_node=8, intra=Link(5e-6, 300e9), inter=Link(10e-6, 25e9), reserved_bytes=2 * GiB)
-    cpu = Hardware("CPU box (gloo)", {}, hbm_bytes=11 * GiB, devices_per_node=2,
-                   intra=Link(2.5067e-4, 3.5037e9), inter=Link(2.5067e-4, 3.5037e9), dropout_mask_bytes=4)
+    two = Link(1.982e-4, 3.339e9, (("all_gather_ring", 2.985e-4, 1.005e9), ("all_reduce_ring", 2.128e-4, 1.660e9),
+                                   ("reduce_scatter_ring", 6.238e-4, 4.243e8)))
+    four = Link(2.507e-4, 3.504e9, (("all_gather_ring", 4.287e-4, 6.047e8), ("all_reduce_ring", 7.505e-4, 1.176e9),
+                                    ("reduce_scatter_ring", 1.113e-3, 3.886e8)))
+    cpu = Hardware("CPU box (gloo)", {"fp32": 74.08e9}, hbm_bytes=11 * GiB, devices_per_node=2, intra=two,
+                   inter=four, dropout_mask_bytes=4, layer_overhead_s=(6.201e-4, 4.536e-4), optimizer_Bps=13.88e9,
+                   cores=2)
     return {"h100-sxm": h100, "a100-80gb": a100, "cpu-box": cpu}

@@ -13,7 +13,8 @@ gradients in the parameters' dtype, the ZeRO paper's accounting), ``v`` virtual 
 (interleaved 1F1B), ``flash_attention`` (no ``s^2`` tensors kept), ``regather`` (with sequence parallelism
 the column-parallel layers keep their sharded input and all-gather it again in backward, Megatron's choice and
 lslm's for its GPT; False keeps the gathered input), ``bucket_mb`` (data-parallel bucket size, which sets how
-many messages a step sends).
+many messages a step sends), ``optimizer`` (``"adamw"`` or ``"sgd-momentum"``: the bytes its step streams per
+element, :data:`lslm.plan.hardware.OPTIMIZER_BYTES`; the optimizer states' memory is Adam's either way).
 
 :func:`check_layout` refuses a layout that cannot run, with what to change.
 """
@@ -25,10 +26,11 @@ from dataclasses import dataclass
 from lslm.plan.hardware import PRECISIONS
 from lslm.plan.model import ModelSpec
 
-__all__ = ["OFFLOADS", "RECOMPUTE", "Layout", "check_layout", "microbatches"]
+__all__ = ["OFFLOADS", "OPTIMIZERS", "RECOMPUTE", "Layout", "check_layout", "microbatches"]
 
 RECOMPUTE = ("none", "selective", "full")
 OFFLOADS = ("none", "cpu")
+OPTIMIZERS = ("adamw", "sgd-momentum")
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class Layout:
     flash_attention: bool = False
     regather: bool = True
     bucket_mb: float = 25.0
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "v", "cp"):
@@ -73,6 +76,9 @@ class Layout:
                              "group: it needs tp > 1")
         if self.v > 1 and self.pp == 1:
             raise ValueError(f"v={self.v} virtual stages need a pipeline (pp > 1)")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"Layout.optimizer must be one of {OPTIMIZERS} (it sets the optimizer step's bytes "
+                             f"per element), got {self.optimizer!r}")
         if not self.bucket_mb > 0:
             raise ValueError(f"Layout.bucket_mb must be > 0, got {self.bucket_mb!r}")
 

@@ -19,8 +19,24 @@ without its overlap options); data-parallel communication is overlapped with the
 micro-batch where it can be: stage 0's all-reduce and stage 1's reduce-scatter start during that backward,
 stage 2's per-micro-batch reduce-scatters during each micro-batch's backward, and the all-gather of stages
 1-2 follows the optimizer step (exposed); stage 3's per-micro-batch gathers and reduce-scatters
-are prefetched behind that micro-batch's compute (exposed only beyond it). The optimizer step itself, and
-offload's host transfers and CPU Adam, are not timed.
+are prefetched behind that micro-batch's compute (exposed only beyond it). Offload's host transfers and CPU
+Adam are not timed.
+
+**Terms a CPU box needs** (each zero, or off, on the GPU presets, whose hardware leaves them unset; the
+course's ``cpu-box`` preset calibrates them, :mod:`lslm.plan.calibrate`):
+
+* *fixed cost per layer pass* (``hw.layer_overhead_s``): a layer's forward and backward each take a fixed time
+  on top of ``flops / rate`` (elementwise ops, softmax, layer norms, op dispatch: work that does not scale with
+  the matmuls), and the head with the loss one more of each. On small widths it is a third of a layer's time.
+* *core sharing* (``hw.cores``): ``world`` processes on ``cores`` cores time-slice, so a step takes at least
+  the total compute over the cores, ``world/cores · m · T_mb`` (every stage's work counted as the last
+  stage's, head included: slightly more than the first stages do); the term is what that adds to the schedule
+  (``m T_mb + bubble``): all of it without a pipeline, only beyond the bubble with one.
+* *no overlap without a spare core*: with ``world >= cores`` every core computes, so data-parallel
+  communication is exposed whole.
+* *the optimizer step* (``hw.optimizer_Bps``): the elements a device updates (``/dp`` under ZeRO) times the
+  bytes torch's single-tensor loop reads and writes per element (:data:`~lslm.plan.hardware.OPTIMIZER_BYTES`),
+  over a streaming rate; times the core sharing.
 
 **Roofline verdicts** (the reasoning of the JAX scaling book, "How to Scale Your Model": its rooflines chapter
 and its chapter on parallelising a transformer for training): an axis is
@@ -35,12 +51,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lslm.plan.comm import AxisComm
-from lslm.plan.hardware import Hardware
+from lslm.plan.hardware import OPTIMIZER_BYTES, Hardware
 from lslm.plan.layout import Layout
+from lslm.plan.memory import stage_params
 from lslm.plan.model import ModelSpec
 from lslm.plan.terms import Term
 
-__all__ = ["Verdict", "layer_forward_flops", "model_flops", "narayanan_flops", "step_time"]
+__all__ = ["Verdict", "core_share", "layer_forward_flops", "model_flops", "narayanan_flops", "optimizer_s",
+           "step_time"]
 
 NARAYANAN = "Narayanan et al. 2021, §5.1"
 
@@ -98,17 +116,35 @@ class Verdict:
 
 def _stage_microbatch_s(model: ModelSpec, layout: Layout, hw: Hardware) -> tuple[float, float, float]:
     """(forward+backward+recompute, backward, one layer's F+B+R) seconds of one micro-batch on one device of the
-    last pipeline stage (its layers and the head)."""
+    last pipeline stage (its layers and the head), each pass with its fixed cost (``hw.layer_overhead_s``; the
+    head and the loss count as one more layer's)."""
     rate = hw.flops(layout.precision)
+    fwd_fixed, bwd_fixed = hw.layer_overhead_s
     shard = layout.tp * layout.cp
     mm, core = layer_forward_flops(model, model.micro_batch)
     extra = {"none": 0.0, "selective": core, "full": mm + core}[layout.recompute]
-    layer = (3 * (mm + core) + extra) / shard
+    fixed_extra = fwd_fixed if layout.recompute == "full" else 0.0
+    layer = (3 * (mm + core) + extra) / shard / rate + fwd_fixed + bwd_fixed + fixed_extra
     layers = model.n_layer // layout.pp
     head = 2 * model.micro_batch * model.seq_len * model.hidden * model.vocab / shard
-    total = (layers * layer + 3 * head) / rate
-    backward = (layers * 2 * (mm + core) / shard + 2 * head) / rate
-    return total, backward, layer / rate
+    total = layers * layer + 3 * head / rate + fwd_fixed + bwd_fixed
+    backward = layers * (2 * (mm + core) / shard / rate + bwd_fixed) + 2 * head / rate + bwd_fixed
+    return total, backward, layer
+
+
+def optimizer_s(model: ModelSpec, layout: Layout, hw: Hardware) -> float | None:
+    """Seconds of one optimizer step on a device of the last stage: the elements it updates (its stage's
+    parameters, ``/dp`` under ZeRO) x :data:`~lslm.plan.hardware.OPTIMIZER_BYTES` over ``hw.optimizer_Bps``;
+    None when the hardware has no such rate."""
+    if hw.optimizer_Bps is None:
+        return None
+    elements = stage_params(model, layout, layout.pp - 1) / (layout.dp * layout.cp if layout.zero else 1)
+    return elements * OPTIMIZER_BYTES[layout.optimizer] / hw.optimizer_Bps
+
+
+def core_share(layout: Layout, hw: Hardware) -> float:
+    """How many processes share one core: ``max(1, world / hw.cores)`` (1 without ``hw.cores``)."""
+    return max(1.0, layout.world / hw.cores) if hw.cores else 1.0
 
 
 def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
@@ -119,10 +155,19 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
     p, v = layout.pp, layout.v
     compute = m * t_mb
     bubble = (p - 1) / v * t_mb
-    times = {"compute": Term("compute", compute, "s", "m · T_mb (6N-style flops + attention, at peak x efficiency)",
-                             NARAYANAN),
+    fixed = hw.layer_overhead_s
+    what = "m · T_mb (6N-style flops + attention, at peak x efficiency" + (
+        f"; + {fixed[0] * 1e3:.3g} / {fixed[1] * 1e3:.3g} ms per layer forward / backward)" if any(fixed) else ")")
+    times = {"compute": Term("compute", compute, "s", what, NARAYANAN),
              "bubble": Term("pipeline bubble", bubble, "s", f"(p - 1)/v · T_mb = {(p - 1) / (v * m):.4f} of compute",
                             "Narayanan et al. 2021, §2.2 (1F1B, interleaved)")}
+    share = core_share(layout, hw)
+    if share > 1:  # every rank's compute queues for hw.cores cores: a step cannot beat the total work / cores
+        shared = max(0.0, share * compute - compute - bubble)
+        times["cores"] = Term("core sharing", shared, "s",
+                              f"max(0, world/cores · m · T_mb - m · T_mb - bubble), world/cores = {share:g}",
+                              "this module (processes time-slice the cores they share)")
+    no_overlap = hw.cores is not None and layout.world >= hw.cores  # no free core runs communication meanwhile
     verdicts = []
     tp, pp, dp = comm["tp"], comm["pp"], comm["dp"]
     layers = model.n_layer // p
@@ -136,7 +181,11 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
                            "Narayanan et al. 2021")
         verdicts.append(Verdict("pp", pp.time_s / m, t_mb, "per micro-batch"))
     if dp is not None and dp.group > 1:
-        if layout.zero == 3:
+        if no_overlap:
+            exposed = dp.time_s
+            how = "all of it: every core computes, none is left to overlap communication"
+            verdicts.append(Verdict("dp", dp.time_s, m * t_bwd, "per step, against the step's backward"))
+        elif layout.zero == 3:
             per_mb = dp.time_s / m  # everything moves every micro-batch, prefetched behind its compute
             exposed = m * max(0.0, per_mb - t_mb)
             how = "m · max(0, per-micro-batch gathers and reduce-scatters - T_mb)"
@@ -153,6 +202,13 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
             verdicts.append(Verdict("dp", dp.time_s, m * t_bwd, "per step, against the step's backward"))
         times["dp"] = Term("data-parallel communication (exposed)", exposed, "s",
                            f"{how}; {dp.time_s:.3g} s in all", "Rajbhandari et al. 2020; Li et al. 2020 §3.2.3")
+    opt = optimizer_s(model, layout, hw)
+    if opt is not None:
+        times["optimizer"] = Term("optimizer step", share * opt, "s",
+                                  f"elements x {OPTIMIZER_BYTES[layout.optimizer]} B ({layout.optimizer}) / "
+                                  f"{hw.optimizer_Bps / 1e9:.3g} GB/s" + (f" x {share:g} (core sharing)"
+                                                                          if share > 1 else ""),
+                                  "torch's single-tensor optimizer loop, bytes counted per element")
     times["step"] = Term("step", sum(t.value for t in times.values()), "s",
-                         "compute + bubble + tp + pp + exposed dp", "this module")
+                         "compute + bubble + core sharing + tp + pp + exposed dp + optimizer", "this module")
     return times, verdicts

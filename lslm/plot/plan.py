@@ -5,6 +5,8 @@
   drawn as a line;
 * :func:`plot_time_breakdown`: one stacked bar per estimate (compute, pipeline bubble, exposed communication of
   each axis), in seconds per step;
+* :func:`plot_validation`: the time model against the committed benches' measured step times
+  (:func:`lslm.plan.validate`), one pair of bars per configuration, and the relative error;
 * :func:`plan_calculator`: an ipywidgets calculator (model, layout and hardware as controls; the two plots above
   and the roofline verdict per axis redrawn on every change). A layout that cannot run shows the
   :class:`ValueError`'s message in the widget instead of a traceback.
@@ -25,7 +27,7 @@ from matplotlib.axes import Axes
 from lslm.plan import Estimate, Layout, ModelSpec, estimate, hardware_presets, model_presets
 
 __all__ = ["MEMORY_OWNERS", "TIME_PARTS", "CalculatorWidget", "plan_calculator", "plot_memory_by_owner",
-           "plot_time_breakdown"]
+           "plot_time_breakdown", "plot_validation"]
 
 #: (owner key of ``Estimate.to_dict()["memory"]``, label, colour); buffers are every other key.
 MEMORY_OWNERS = (("parameters", "parameters", "#8ecae6"), ("gradients", "gradients", "#ffb703"),
@@ -34,7 +36,8 @@ MEMORY_OWNERS = (("parameters", "parameters", "#8ecae6"), ("gradients", "gradien
 BUFFERS_COLOR = "#adb5bd"
 #: (key of ``Estimate.times``, label, colour): the parts of a step.
 TIME_PARTS = (("compute", "compute", "#90be6d"), ("bubble", "pipeline bubble", "#e9ecef"),
-              ("tp", "tp comm", "#8ecae6"), ("pp", "pp comm", "#cdb4db"), ("dp", "dp comm (exposed)", "#ffb703"))
+              ("cores", "core sharing", "#6c757d"), ("tp", "tp comm", "#8ecae6"), ("pp", "pp comm", "#cdb4db"),
+              ("dp", "dp comm (exposed)", "#ffb703"), ("optimizer", "optimizer step", "#f28482"))
 GB = 1e9
 POWERS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -99,6 +102,43 @@ def plot_time_breakdown(estimates: Sequence[Estimate], labels: Sequence[str], *,
     ax.set_xlim(0, 1.2 * max(left) if max(left) > 0 else 1)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
+    return fig
+
+
+def plot_validation(rows: Sequence[Mapping[str, Any]], *, tolerance: float = 0.20,
+                    title: str = "Time model vs measured step, this 2-core CPU (gloo, fp32)") -> plt.Figure:
+    """Measured and predicted step time (ms) per configuration of :func:`lslm.plan.validate`'s ``rows``, one
+    panel per bench, and below them the relative error with the ``tolerance`` band."""
+    if not rows:
+        raise ValueError("no rows to plot: pass lslm.plan.validate()'s output")
+    benches = list(dict.fromkeys(r["bench"] for r in rows))
+    widths = [sum(r["bench"] == b for r in rows) for b in benches]
+    fig, axes = plt.subplots(2, len(benches), figsize=(4 + 0.45 * len(rows), 6.5), dpi=80, squeeze=False,
+                             gridspec_kw={"width_ratios": widths, "height_ratios": [3, 1.3]})
+    for col, bench in enumerate(benches):
+        mine = [r for r in rows if r["bench"] == bench]
+        xs = list(range(len(mine)))
+        top, low = axes[0][col], axes[1][col]
+        top.bar([x - 0.2 for x in xs], [r["measured_ms"] for r in mine], 0.4, label="measured", color="#457b9d")
+        top.bar([x + 0.2 for x in xs], [r["predicted_ms"] for r in mine], 0.4, label="predicted (cpu-box)",
+                color="#f4a261")
+        top.set_title(f"{bench}", fontsize=10)
+        top.set_xticks(xs, [])
+        errors = [100 * r["error"] for r in mine]
+        low.bar(xs, errors, 0.6, color=["#2a9d8f" if abs(e) <= 100 * tolerance else "#e63946" for e in errors])
+        low.axhspan(-100 * tolerance, 100 * tolerance, color="#e9ecef", zorder=0)
+        low.axhline(0, color="black", lw=0.5)
+        low.set_xticks(xs, [r["config"] for r in mine], rotation=90, fontsize=7)
+        low.set_xlabel("configuration", fontsize=8)
+        low.set_ylim(min(-100 * tolerance, *errors) - 5, max(100 * tolerance, *errors) + 5)
+        if col == 0:
+            top.set_ylabel("step time (ms)")
+            low.set_ylabel("error (%)")
+            top.legend(fontsize=8, loc="upper left")
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    fig.suptitle(f"{title}; worst error {worst['error']:+.0%} ({worst['bench']} {worst['config']}); "
+                 f"band: ±{tolerance:.0%}", fontsize=10)
+    fig.tight_layout()
     return fig
 
 
