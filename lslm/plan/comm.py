@@ -5,7 +5,9 @@ Each entry is a :class:`Collective`: an algorithm of :func:`lslm.metrics.collect
 what an all-reduce reduces, what an all-gather returns), the group size ``n``, how many times per step, and the
 link it runs on (:meth:`lslm.plan.hardware.Hardware.link`). Its time is the alpha-beta model along the
 critical path, ``a alpha + b S beta`` per call (``2(n - 1)`` messages and ``2(n-1)/n S`` bytes for a ring
-all-reduce; ``n - 1`` and ``(n-1)/n S`` for all-gather and reduce-scatter; 1 and ``S`` for a send).
+all-reduce; ``n - 1`` and ``(n-1)/n S`` for all-gather and reduce-scatter; 1 and ``S`` for a send), or, where
+the link carries a measured table of that collective at that group size whose sizes bracket ``S``, the table
+read at ``S`` (:attr:`lslm.plan.hardware.Link.measured`: the ``cpu-box`` preset's gloo collectives).
 
 * **dp** (``dp · cp`` ranks; Rajbhandari et al. 2020 §7): stage 0 all-reduces the gradients (``2Ψ`` elements
   through each rank); stages 1-2 reduce-scatter the gradients and all-gather the updated parameters (``Ψ + Ψ``,
@@ -72,7 +74,13 @@ class Collective:
 
     @property
     def time_s(self) -> float:
-        """Alpha-beta time of all calls back to back."""
+        """Time of all calls back to back: each call's measured time where the link has a measurement of this
+        algorithm and group size around the payload (:meth:`~lslm.plan.hardware.Link.measured_time`), else
+        alpha-beta."""
+        if self.n > 1:
+            measured = self.link.measured_time(self.algorithm, self.n, self.payload)
+            if measured is not None:
+                return self.count * measured
         a, b, _ = self._coefficients()
         cost = self.link.for_algorithm(self.algorithm).cost
         return self.count * (a * cost.alpha_s + b * self.payload * cost.beta_s_per_byte)

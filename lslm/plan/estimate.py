@@ -159,6 +159,7 @@ def estimate(model: ModelSpec, layout: Layout, hardware: Hardware, devices: int 
         notes.append("ZeRO-2/3 with pipeline parallelism: gradients (and stage 3's parameters) move every "
                      "micro-batch; DeepSpeed refuses this combination and Megatron shards only the optimizer "
                      "(stage 1)")
-    if layout.offload == "cpu":
-        notes.append("offload: host transfers and CPU Adam are not timed")
+    if layout.offload != "none" and "offload" not in times:
+        notes.append("offload: host transfers" + (" and disk reads and writes" if layout.offload == "disk" else "")
+                     + " are not timed (the hardware has no rate for them)")
     return Estimate(model, layout, hardware, m, params, memory, stages, comm, times, verdicts, notes)

@@ -11,10 +11,11 @@ latencies (``alpha``) are our assumptions. Nothing here was measured on those GP
 (``dataclasses.replace``) to plan with your own measurements. ``compute_efficiency`` scales every peak (1.0:
 the roofline's upper bound; the fraction of peak a real run reaches is what to measure and put here).
 
-Three more fields describe a CPU box and stay unset on the GPU presets (:mod:`lslm.plan.timing` says how each
+More fields describe a CPU box and stay unset on the GPU presets (:mod:`lslm.plan.timing` says how each
 enters the step): ``layer_overhead_s``, a layer pass's fixed cost; ``optimizer_Bps``, the optimizer step's
-streaming rate; ``cores``, the cores all the processes share. The ``cpu-box`` preset's numbers are calibrated
-from committed measurements (:mod:`lslm.plan.calibrate`).
+streaming rate; ``cores``, the cores all the processes share; ``host_copy_Bps`` and ``disk_Bps``, offload's
+copies to the host and to the disk; and a link's ``measured`` table of collective times. The ``cpu-box``
+preset's numbers are calibrated from committed measurements (:mod:`lslm.plan.calibrate`).
 """
 
 from __future__ import annotations
@@ -44,13 +45,26 @@ class Link:
     :func:`lslm.metrics.collective_costs.cost_coefficients` with its own fit (gloo's all-gather and
     reduce-scatter are not its all-reduce at a different size: each is measured); other algorithms, and
     point-to-point sends, use ``alpha_s`` and ``bandwidth_Bps``.
+
+    ``measured``: ``(algorithm, n, ((payload_bytes, seconds), ...))`` entries, one call's measured time at a few
+    payloads on ``n`` ranks (:meth:`measured_time`). Where one brackets a call, it prices the call instead of
+    the fit: a two-parameter fit over four decades of sizes misses the middle of the range (gloo at 4 processes
+    on 2 cores: all-gathers of 64 KiB-1 MiB took 2.0-2.6 ms where the fit says about 1.4). Outside the measured
+    sizes, and for other group sizes, the fit prices the call. Empty on the GPU presets.
     """
 
     alpha_s: float
     bandwidth_Bps: float
     per_algorithm: tuple[tuple[str, float, float], ...] = ()
+    measured: tuple[tuple[str, int, tuple[tuple[float, float], ...]], ...] = ()
 
     def __post_init__(self) -> None:
+        for entry in self.measured:
+            name, n, points = entry
+            if len(points) < 2 or any(not (b > 0 and t > 0) for b, t in points) \
+                    or list(points) != sorted(points) or len({b for b, _ in points}) != len(points):
+                raise ValueError(f"Link.measured[{name!r}, {n}] must hold >= 2 (payload bytes > 0, seconds > 0) "
+                                 f"points in increasing payload, got {points!r}")
         if not (isinstance(self.alpha_s, (int, float)) and self.alpha_s >= 0 and math.isfinite(self.alpha_s)):
             raise ValueError(f"Link.alpha_s must be a finite number >= 0 (seconds per message), got {self.alpha_s!r}")
         if not (isinstance(self.bandwidth_Bps, (int, float)) and self.bandwidth_Bps > 0):
@@ -62,6 +76,19 @@ class Link:
             if name == algorithm:
                 return Link(alpha, bandwidth)
         return self
+
+    def measured_time(self, algorithm: str, n: int, payload: float) -> float | None:
+        """Seconds of one call of ``algorithm`` on ``n`` ranks with ``payload`` bytes read off ``measured``: the
+        two measured sizes around ``payload`` interpolated in log time against log size (a power law between
+        neighbouring measurements); None where no measurement of that algorithm and group size brackets it."""
+        for name, group, points in self.measured:
+            if name != algorithm or group != n or not points[0][0] <= payload <= points[-1][0]:
+                continue
+            for (b0, t0), (b1, t1) in zip(points, points[1:]):
+                if payload <= b1:
+                    x = math.log(payload / b0) / math.log(b1 / b0)
+                    return t0 * (t1 / t0) ** x
+        return None
 
     @property
     def cost(self) -> LinkCost:
@@ -98,6 +125,12 @@ class Hardware:
     #: cores all the devices share (a CPU box: processes beyond it time-slice, and no core is left to overlap
     #: communication with compute); None: every device computes on its own (GPUs)
     cores: int | None = None
+    #: bytes per second one process copies between device and host memory for offload (``Layout.offload``:
+    #: the gradient slice down, the updated parameter slice up); None: not timed
+    host_copy_Bps: float | None = None
+    #: bytes per second one process reads and writes its optimizer partition from and to disk
+    #: (``Layout.offload = "disk"``); None: not timed
+    disk_Bps: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
@@ -114,6 +147,10 @@ class Hardware:
                              f"got {self.layer_overhead_s!r}")
         if self.optimizer_Bps is not None and not self.optimizer_Bps > 0:
             raise ValueError(f"Hardware.optimizer_Bps must be > 0 bytes per second or None, got {self.optimizer_Bps!r}")
+        for name in ("host_copy_Bps", "disk_Bps"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"Hardware.{name} must be > 0 bytes per second or None, got {value!r}")
         if self.cores is not None and (isinstance(self.cores, bool) or not isinstance(self.cores, int)
                                        or self.cores < 1):
             raise ValueError(f"Hardware.cores must be an int >= 1 or None, got {self.cores!r}")
@@ -160,7 +197,9 @@ def hardware_presets() -> dict[str, Hardware]:
       ``cores = 2``; a "node" of 2 processes whose ``intra`` link is the 2-process fit of
       ``collectives.json`` and whose ``inter`` link, for groups of more processes than cores, the 4-process
       fit (point-to-point: the fit of lslm's algorithms; all-reduce, all-gather, reduce-scatter: a fit of
-      gloo's own each). No bf16 rate: it was not measured. Its "device memory" is half of the machine's
+      gloo's own each; and each of these three's measured times at 5 sizes, 4 KiB-64 MiB, which price a call
+      whose size they bracket); offload's host copies at 3.942 GB/s and disk reads and writes at 1.905 GB/s per
+      process (``zero_offload.json``). No bf16 rate: it was not measured. Its "device memory" is half of the machine's
       23 GiB (``free -g`` when this was written), one share per process.
     ``reserved_bytes`` (2 GiB on the GPUs) is our assumption for the CUDA context and allocator slack.
     """
@@ -168,11 +207,22 @@ def hardware_presets() -> dict[str, Hardware]:
                     devices_per_node=8, intra=Link(5e-6, 450e9), inter=Link(10e-6, 50e9), reserved_bytes=2 * GiB)
     a100 = Hardware("A100 SXM 80GB", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, hbm_bytes=80 * GiB,
                     devices_per_node=8, intra=Link(5e-6, 300e9), inter=Link(10e-6, 25e9), reserved_bytes=2 * GiB)
+    sizes = (4096.0, 65536.0, 1048576.0, 16777216.0, 67108864.0)  # collectives.json: 4 KiB-64 MiB
+
+    def table(algorithm: str, n: int, ms: tuple[float, ...]) -> tuple[str, int, tuple[tuple[float, float], ...]]:
+        return algorithm, n, tuple((b, t * 1e-3) for b, t in zip(sizes, ms))
+
     two = Link(1.982e-4, 3.339e9, (("all_gather_ring", 2.985e-4, 1.005e9), ("all_reduce_ring", 2.128e-4, 1.660e9),
-                                   ("reduce_scatter_ring", 6.238e-4, 4.243e8)))
+                                   ("reduce_scatter_ring", 6.238e-4, 4.243e8)),
+               (table("all_gather_ring", 2, (0.4357, 0.3428, 0.558, 11.72, 64.55)),
+                table("all_reduce_ring", 2, (0.4271, 0.4256, 1.827, 10.08, 37.61)),
+                table("reduce_scatter_ring", 2, (1.902, 0.5544, 3.275, 18.15, 80.21))))
     four = Link(2.507e-4, 3.504e9, (("all_gather_ring", 4.287e-4, 6.047e8), ("all_reduce_ring", 7.505e-4, 1.176e9),
-                                    ("reduce_scatter_ring", 1.113e-3, 3.886e8)))
+                                    ("reduce_scatter_ring", 1.113e-3, 3.886e8)),
+                (table("all_gather_ring", 4, (1.226, 2.6, 2.017, 21.48, 116.3)),
+                 table("all_reduce_ring", 4, (4.662, 4.401, 6.0, 24.41, 95.31)),
+                 table("reduce_scatter_ring", 4, (4.066, 4.211, 3.981, 36.05, 168.5))))
     cpu = Hardware("CPU box (gloo)", {"fp32": 74.08e9}, hbm_bytes=11 * GiB, devices_per_node=2, intra=two,
                    inter=four, dropout_mask_bytes=4, layer_overhead_s=(6.201e-4, 4.536e-4), optimizer_Bps=13.88e9,
-                   cores=2)
+                   cores=2, host_copy_Bps=3.942e9, disk_Bps=1.905e9)
     return {"h100-sxm": h100, "a100-80gb": a100, "cpu-box": cpu}

@@ -5,7 +5,9 @@ tensor-parallel group is ``tp`` consecutive devices (the fastest links), a data-
 ``tp · cp`` and spans ``dp · cp · tp`` devices, and pipeline neighbours are ``dp · cp · tp`` devices apart.
 
 Options: ``zero`` (0: plain data parallelism; 1-3: ZeRO stages, Rajbhandari et al. 2020), ``offload``
-(``"cpu"``: the fp32 masters and optimizer states live in host memory, ZeRO-Offload, Ren et al. 2021),
+(``"cpu"``: the fp32 masters and optimizer states live in host memory, ZeRO-Offload, Ren et al. 2021;
+``"disk"``: they live in files and pass through host memory each step, as lslm's ZeRO offload to disk does;
+its memory is counted as ``"cpu"``'s),
 ``sequence_parallel`` (Korthikanti et al. 2022 §4.2.2), ``recompute`` (``"none"``, ``"selective"``: the
 attention core, §5; ``"full"``: every layer keeps only its input), ``precision`` (``fp32``; ``bf16``/``fp16``
 with fp32 master weights), ``grad_dtype`` (``"fp32"``: Megatron's and lslm's fp32 ``main_grad``; ``"param"``:
@@ -29,7 +31,7 @@ from lslm.plan.model import ModelSpec
 __all__ = ["OFFLOADS", "OPTIMIZERS", "RECOMPUTE", "Layout", "check_layout", "microbatches"]
 
 RECOMPUTE = ("none", "selective", "full")
-OFFLOADS = ("none", "cpu")
+OFFLOADS = ("none", "cpu", "disk")
 OPTIMIZERS = ("adamw", "sgd-momentum")
 
 
@@ -62,9 +64,9 @@ class Layout:
             raise ValueError(f"Layout.zero must be 0 (no ZeRO), 1, 2 or 3, got {self.zero!r}")
         if self.offload not in OFFLOADS:
             raise ValueError(f"Layout.offload must be one of {OFFLOADS}, got {self.offload!r}")
-        if self.offload == "cpu" and self.zero == 0:
-            raise ValueError("offload='cpu' moves the optimizer's partition to the host (ZeRO-Offload): it needs "
-                             "zero >= 1")
+        if self.offload != "none" and self.zero == 0:
+            raise ValueError(f"offload={self.offload!r} moves the optimizer's partition off the device "
+                             "(ZeRO-Offload): it needs zero >= 1")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"Layout.recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.precision not in PRECISIONS:

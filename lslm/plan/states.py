@@ -90,7 +90,7 @@ def model_states(psi: int, layout: Layout, *, buckets: Sequence[int] | None = No
     if not 0 <= rank < n:
         raise ValueError(f"rank {rank} is outside the {n} ranks that share the model states")
     width = bytes_per_element(layout)
-    offload = layout.offload == "cpu"
+    offload = layout.offload != "none"  # "disk" streams the same states through the host
     if offload:  # the host steps fp32 masters of its own, whatever the device's precision
         width["master_weights"] = 4
     padded, slice_total, owned = _slices(buckets, n, rank) if layout.zero else (psi, psi, psi)

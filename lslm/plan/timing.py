@@ -19,8 +19,9 @@ without its overlap options); data-parallel communication is overlapped with the
 micro-batch where it can be: stage 0's all-reduce and stage 1's reduce-scatter start during that backward,
 stage 2's per-micro-batch reduce-scatters during each micro-batch's backward, and the all-gather of stages
 1-2 follows the optimizer step (exposed); stage 3's per-micro-batch gathers and reduce-scatters
-are prefetched behind that micro-batch's compute (exposed only beyond it). Offload's host transfers and CPU
-Adam are not timed.
+are prefetched behind that micro-batch's compute (exposed only beyond it). Offload's host copies and disk
+traffic are timed only where the hardware gives their rates (below); the optimizer step itself is timed at the
+device's ``optimizer_Bps`` wherever it runs.
 
 **Terms a CPU box needs** (each zero, or off, on the GPU presets, whose hardware leaves them unset; the
 course's ``cpu-box`` preset calibrates them, :mod:`lslm.plan.calibrate`):
@@ -37,6 +38,11 @@ course's ``cpu-box`` preset calibrates them, :mod:`lslm.plan.calibrate`):
 * *the optimizer step* (``hw.optimizer_Bps``): the elements a device updates (``/dp`` under ZeRO) times the
   bytes torch's single-tensor loop reads and writes per element (:data:`~lslm.plan.hardware.OPTIMIZER_BYTES`),
   over a streaming rate; times the core sharing.
+* *offload copies* (``hw.host_copy_Bps``, ``hw.disk_Bps``; :func:`offload_bytes`): with ``offload`` each step
+  copies the gradient slice a device owns to the host (fp32, the copy the host steps) and the updated
+  parameter slice back; with ``"disk"`` the fp32 masters and Adam's moments of that slice (``4 + 8`` bytes
+  per element) are also read from and written back to their files. Each at a per-process rate, on the
+  critical path (lslm's offload is synchronous), times the core sharing.
 
 **Roofline verdicts** (the reasoning of the JAX scaling book, "How to Scale Your Model": its rooflines chapter
 and its chapter on parallelising a transformer for training): an axis is
@@ -55,10 +61,11 @@ from lslm.plan.hardware import OPTIMIZER_BYTES, Hardware
 from lslm.plan.layout import Layout
 from lslm.plan.memory import stage_params
 from lslm.plan.model import ModelSpec
+from lslm.plan.states import bytes_per_element
 from lslm.plan.terms import Term
 
-__all__ = ["Verdict", "core_share", "layer_forward_flops", "model_flops", "narayanan_flops", "optimizer_s",
-           "step_time"]
+__all__ = ["Verdict", "core_share", "layer_forward_flops", "model_flops", "narayanan_flops", "offload_bytes",
+           "offload_s", "optimizer_s", "step_time"]
 
 NARAYANAN = "Narayanan et al. 2021, §5.1"
 
@@ -142,6 +149,28 @@ def optimizer_s(model: ModelSpec, layout: Layout, hw: Hardware) -> float | None:
     return elements * OPTIMIZER_BYTES[layout.optimizer] / hw.optimizer_Bps
 
 
+def offload_bytes(model: ModelSpec, layout: Layout) -> tuple[float, float]:
+    """(host copy, disk read + write) bytes per step of one device of the last stage with ``layout.offload``:
+    its owned slice's fp32 gradients down and parameters up; with ``"disk"``, the slice's fp32 masters and
+    optimizer states read and written once each (module doc). (0, 0) without offload."""
+    if layout.offload == "none":
+        return 0.0, 0.0
+    width = bytes_per_element(layout)
+    owned = stage_params(model, layout, layout.pp - 1) / (layout.dp * layout.cp)
+    host = owned * (4 + width["parameters"])
+    disk = 2 * owned * (4 + width["optimizer_states"]) if layout.offload == "disk" else 0.0
+    return host, disk
+
+
+def offload_s(model: ModelSpec, layout: Layout, hw: Hardware) -> float | None:
+    """Seconds of one step's offload copies on one process (:func:`offload_bytes` over ``hw.host_copy_Bps`` and
+    ``hw.disk_Bps``), before core sharing; None without offload or where the hardware lacks a rate it needs."""
+    host, disk = offload_bytes(model, layout)
+    if layout.offload == "none" or hw.host_copy_Bps is None or (disk and hw.disk_Bps is None):
+        return None
+    return host / hw.host_copy_Bps + (disk / hw.disk_Bps if disk else 0.0)
+
+
 def core_share(layout: Layout, hw: Hardware) -> float:
     """How many processes share one core: ``max(1, world / hw.cores)`` (1 without ``hw.cores``)."""
     return max(1.0, layout.world / hw.cores) if hw.cores else 1.0
@@ -209,6 +238,15 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
                                   f"{hw.optimizer_Bps / 1e9:.3g} GB/s" + (f" x {share:g} (core sharing)"
                                                                           if share > 1 else ""),
                                   "torch's single-tensor optimizer loop, bytes counted per element")
+    off = offload_s(model, layout, hw)
+    if off is not None:
+        host, disk = offload_bytes(model, layout)
+        what = f"{host / 1e6:.4g} MB host copies / {hw.host_copy_Bps / 1e9:.3g} GB/s"
+        if disk:
+            what += f" + {disk / 1e6:.4g} MB disk reads and writes / {hw.disk_Bps / 1e9:.3g} GB/s"
+        times["offload"] = Term("offload copies", share * off, "s",
+                                what + (f" x {share:g} (core sharing)" if share > 1 else ""),
+                                "Ren et al. 2021 (ZeRO-Offload); lslm.zero's offload, bytes counted per element")
     times["step"] = Term("step", sum(t.value for t in times.values()), "s",
-                         "compute + bubble + core sharing + tp + pp + exposed dp + optimizer", "this module")
+                         "compute + bubble + core sharing + tp + pp + exposed dp + optimizer + offload", "this module")
     return times, verdicts

@@ -37,10 +37,10 @@ from lslm.plan.model import ModelSpec
 
 __all__ = ["BENCHES", "TOLERANCE", "format_validation", "load_results", "results_dir", "validate"]
 
-BENCHES = ("tp", "pipeline", "zero", "collectives")
+BENCHES = ("tp", "pipeline", "zero", "collectives", "zero_offload")
 TOLERANCE = 0.20  #: issue 22's target: within 20 % per configuration
 ZERO_ENTRIES = {"ddp": (0, "none"), "zero1": (1, "none"), "zero2": (2, "none"), "zero3": (3, "none"),
-                "zero3-offload": (3, "cpu"), "zero3-disk": (3, "cpu")}
+                "zero3-offload": (3, "cpu"), "zero3-disk": (3, "disk")}
 
 
 def results_dir(path: str | Path | None = None) -> Path:
@@ -52,12 +52,13 @@ def results_dir(path: str | Path | None = None) -> Path:
 
 
 def load_results(path: str | Path | None = None) -> dict[str, dict[str, Any]]:
-    """The committed ``tp``, ``pipeline``, ``zero`` and ``collectives`` results (JSON) as dicts."""
+    """The committed ``tp``, ``pipeline``, ``zero``, ``collectives`` and ``zero_offload`` results (JSON) as dicts."""
     folder = results_dir(path)
     missing = [name for name in BENCHES if not (folder / f"{name}.json").is_file()]
     if missing:
-        raise ValueError(f"{folder} lacks {', '.join(f'{m}.json' for m in missing)}: run `lslm bench "
-                         f"{missing[0]}` (quiet machine) or pass the folder that holds them")
+        run = "python -m lslm.bench.zero_offload" if missing[0] == "zero_offload" else f"lslm bench {missing[0]}"
+        raise ValueError(f"{folder} lacks {', '.join(f'{m}.json' for m in missing)}: run `{run}` (quiet machine) "
+                         "or pass the folder that holds them")
     return {name: json.loads((folder / f"{name}.json").read_text()) for name in BENCHES}
 
 
@@ -114,8 +115,7 @@ def validate(results: dict[str, dict[str, Any]] | None = None, hardware: Hardwar
                 continue
             stage, offload = ZERO_ENTRIES[r["entry"]]
             layout = Layout(dp=n, zero=stage, offload=offload, precision="fp32")
-            note = {"zero3-offload": "host copies not timed", "zero3-disk": "disk reads and writes not timed",
-                    "ddp": "torch DDP"}.get(r["entry"], "")
+            note = {"ddp": "torch DDP"}.get(r["entry"], "")
             rows.append(_row("zero", f"dp={world} {r['entry']}", r["step_ms"], model, layout, hw, note))
     return rows
 
@@ -137,4 +137,5 @@ def format_validation(rows: list[dict[str, Any]], tolerance: float = TOLERANCE) 
 
 def calibrated_from(results: dict[str, dict[str, Any]]) -> Hardware:
     """The cpu-box hardware calibrated afresh from ``results`` (what the preset's rounded numbers come from)."""
-    return cpu_box_hardware(calibrate_cpu_box(results["pipeline"], results["collectives"], results["zero"]))
+    return cpu_box_hardware(calibrate_cpu_box(results["pipeline"], results["collectives"], results["zero"],
+                                              results["zero_offload"]))
