@@ -21,10 +21,10 @@ from lslm.plan.memory import stage_params  # noqa: E402
 from lslm.plan.timing import core_share  # noqa: E402
 from lslm.plan.validate import TOLERANCE, calibrated_from, format_validation, load_results, validate  # noqa: E402
 
-#: beyond 20 %, and why (the report and notebook 09 say the same): disk offload's reads and writes are not in
-#: the calculator; tp=4 with SP makes 48 collectives per step at 4 processes on 2 cores, where gloo's
-#: all-gather of 128 KiB took 2.0-2.6 ms in collectives.json but its alpha-beta fit prices it at 1.4 ms.
-KNOWN_MISSES = {("zero", "dp=2 zero3-disk"), ("zero", "dp=4 zero3-disk"), ("tp", "tp=4 SP on")}
+#: beyond 20 %, and why: none since the calculator times offload's host and disk copies (rates from
+#: zero_offload.json) and prices gloo's collectives off collectives.json's measured table where it brackets the
+#: size. A row that falls out again must be named here with its reason.
+KNOWN_MISSES: set[tuple[str, str]] = set()
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +52,13 @@ def test_cpu_box_preset_is_the_calibration_of_the_committed_results(results: dic
         assert [n for n, *_ in mine.per_algorithm] == [n for n, *_ in theirs.per_algorithm]
         for (_, a, bw), (_, a2, bw2) in zip(mine.per_algorithm, theirs.per_algorithm):
             assert (a, bw) == pytest.approx((a2, bw2), rel=1e-3)
+    assert preset.host_copy_Bps == pytest.approx(fresh.host_copy_Bps, rel=1e-3)
+    assert preset.disk_Bps == pytest.approx(fresh.disk_Bps, rel=1e-3)
+    for mine, theirs in ((preset.intra, fresh.intra), (preset.inter, fresh.inter)):
+        assert [(a, n) for a, n, _ in mine.measured] == [(a, n) for a, n, _ in theirs.measured]
+        for (*_, points), (*_, points2) in zip(mine.measured, theirs.measured):
+            assert [x for pt in points for x in pt] == pytest.approx([x for pt in points2 for x in pt], rel=1e-3)
+    assert {n for _, n, _ in preset.intra.measured} == {2} and {n for _, n, _ in preset.inter.measured} == {4}
     # the p2p link is the collectives bench's own stored fit, at 2 and 4 processes
     assert preset.intra.alpha_s == pytest.approx(results["collectives"]["2"]["fit"]["alpha_s"], rel=1e-3)
     assert preset.inter.alpha_s == pytest.approx(results["collectives"]["4"]["fit"]["alpha_s"], rel=1e-3)
@@ -85,14 +92,21 @@ def test_tp_row_by_hand(results: dict, rows: list) -> None:
     ring = hw.intra.for_algorithm("all_reduce_ring")  # 2 processes: the 2-process fit of gloo's all-reduce
     alpha, bw = ring.alpha_s, ring.bandwidth_Bps
     a = 4 * s * b * h
-    comm = sum(2 * alpha + size / bw for size in [a] * (4 * L + 2) + [4 * s * b, 8 * s * b])
+    assert a == 2 * 65536  # between collectives.json's 64 KiB and 1 MiB all-reduces at 2 processes: read off them
+    measured = {r["bytes"]: r["time_s"] for r in results["collectives"]["2"]["rows"]
+                if r["algorithm"] == "torch.all_reduce"}
+    at_a = measured[65536] * (measured[2**20] / measured[65536]) ** 0.25  # log 2 / log 16 of the way up
+    assert 4 * s * b < min(measured)  # the cross-entropy's small all-reduces are below the table: the fit
+    comm = (4 * L + 2) * at_a + sum(2 * alpha + size / bw for size in [4 * s * b, 8 * s * b])
     lslm = next(r for r in res["rows"] if r["variant"] == "lslm" and not r["sequence_parallel"])
     assert lslm["collectives_per_step"] == 4 * L + 4  # what the bench's ledger counted
     spec = ModelSpec(L, h, m["n_head"], V, s, micro_batch=b, global_batch=b, max_positions=s, dropout=False)
     params = stage_params(spec, Layout(tp=t), 0)
     assert params * 4 == lslm["params_bytes"]  # the calculator's parameters per rank are the bench's
     optimizer = params * 32 / hw.optimizer_Bps
-    assert _row(rows, "tp", "tp=2 SP off")["predicted_ms"] == pytest.approx(1e3 * (compute + comm + optimizer))
+    # rel 1e-4: the preset holds the measured table rounded to 4 digits
+    assert _row(rows, "tp", "tp=2 SP off")["predicted_ms"] == pytest.approx(1e3 * (compute + comm + optimizer),
+                                                                            rel=1e-4)
 
 
 def test_pipeline_row_by_hand_shares_the_cores(rows: list, results: dict) -> None:
@@ -115,18 +129,45 @@ def test_zero_row_by_hand_exposes_all_communication(rows: list, results: dict) -
     """dp=4 ZeRO-1 on 2 cores: every core computes, so the reduce-scatter and all-gather are exposed whole."""
     hw, res = hardware_presets()["cpu-box"], results["zero"]["4"]
     psi = res["num_parameters"]
-    link = hw.inter  # 4 processes: more than the cores
-    comm = sum(3 * link.for_algorithm(a).alpha_s + 0.75 * 4 * psi / link.for_algorithm(a).bandwidth_Bps
-               for a in ("reduce_scatter_ring", "all_gather_ring"))
+    # 4 processes (more than the cores): one call each of 4Ψ bytes (one 25 MB bucket), between the 1 MiB and
+    # 16 MiB rows of collectives.json at 4 processes, read off them in log time against log size
+    assert 2**20 < 4 * psi < 16 * 2**20 < 25 * 2**20
+    comm = 0.0
+    for kind in ("reduce_scatter", "all_gather"):
+        t = {r["bytes"]: r["time_s"] for r in results["collectives"]["4"]["rows"] if r["algorithm"] == f"torch.{kind}"}
+        comm += t[2**20] * (t[2**24] / t[2**20]) ** (math.log(4 * psi / 2**20) / math.log(16))
     row = _row(rows, "zero", "dp=4 zero1")
-    assert row["terms_ms"]["dp"] == pytest.approx(1e3 * comm)
+    assert row["terms_ms"]["dp"] == pytest.approx(1e3 * comm, rel=1e-3)  # the preset's table: 4 digits
     assert row["terms_ms"]["optimizer"] == pytest.approx(1e3 * 2 * psi / 4 * 80 / hw.optimizer_Bps)
     assert row["terms_ms"]["cores"] == pytest.approx(row["terms_ms"]["compute"])  # share 2: twice the compute
+
+
+def test_offload_row_by_hand_moves_the_benchs_bytes(rows: list, results: dict) -> None:
+    """dp=2 and dp=4 ZeRO-3 offload to the host and to disk: the calculator's bytes per step are the bench's exact
+    ones, timed at the rates zero_offload.json measured on another model (out of sample), times the core share."""
+    hw = hardware_presets()["cpu-box"]
+    for n, share in (("2", 1), ("4", 2)):
+        for entry in ("zero3-offload", "zero3-disk"):
+            bench = next(r for r in results["zero"][n]["rows"] if r["entry"] == entry)
+            host = bench["offload_bytes"]["to_host"] + bench["offload_bytes"]["to_device"]
+            disk = sum(bench["disk_bytes"].values()) if bench["disk_bytes"] else 0
+            assert (entry == "zero3-disk") == (disk > 0)
+            row = _row(rows, "zero", f"dp={n} {entry}")
+            assert row["terms_ms"]["offload"] == pytest.approx(
+                1e3 * share * (host / hw.host_copy_Bps + disk / hw.disk_Bps))
+            plain = _row(rows, "zero", f"dp={n} zero3")
+            assert "offload" not in plain["terms_ms"]
+            assert row["predicted_ms"] == pytest.approx(plain["predicted_ms"] + row["terms_ms"]["offload"])
+    glibc = {r["offload"]: r for r in results["zero_offload"]["rows"] if r["allocator"] == "glibc default"}
+    step = {k: sum(r["step_ms"]) / len(r["step_ms"]) for k, r in glibc.items()}
+    moved = glibc["cpu"]["to_host_bytes"] + glibc["cpu"]["to_device_bytes"]
+    assert hw.host_copy_Bps == pytest.approx(moved / (step["cpu"] - step["none"]) * 1e3, rel=1e-3)
 
 
 def test_within_20_percent_but_the_known_misses(rows: list) -> None:
     misses = {(r["bench"], r["config"]) for r in rows if abs(r["error"]) > TOLERANCE}
     assert misses <= KNOWN_MISSES, sorted(misses - KNOWN_MISSES)
+    assert not KNOWN_MISSES  # every committed configuration within 20 %
     table = format_validation(rows)
     worst = max(rows, key=lambda r: abs(r["error"]))
     assert table.splitlines()[-1].endswith(f"worst error {worst['error']:+.1%} ({worst['bench']} {worst['config']})")
@@ -153,6 +194,17 @@ def test_cpu_terms_check_their_input() -> None:
     link = Link(1e-4, 1e9, (("all_gather_ring", 2e-4, 5e8),))
     assert link.for_algorithm("all_gather_ring") == Link(2e-4, 5e8)
     assert link.for_algorithm("p2p") is link
+    table = Link(1e-4, 1e9, measured=(("all_gather_ring", 4, ((1e3, 1e-3), (1e5, 4e-3))),))
+    assert table.measured_time("all_gather_ring", 4, 1e4) == pytest.approx(2e-3)  # halfway in log size
+    assert table.measured_time("all_gather_ring", 4, 1e5) == pytest.approx(4e-3)
+    for outside in (("all_gather_ring", 4, 1e6), ("all_gather_ring", 2, 1e4), ("all_reduce_ring", 4, 1e4)):
+        assert table.measured_time(*outside) is None  # beyond the sizes, another group or algorithm: the fit
+    with pytest.raises(ValueError, match="increasing payload"):
+        Link(1e-4, 1e9, measured=(("all_gather_ring", 4, ((1e5, 1e-3), (1e3, 4e-3))),))
+    with pytest.raises(ValueError, match="disk_Bps"):
+        Hardware("x", disk_Bps=-1.0)
+    with pytest.raises(ValueError, match="needs zero >= 1"):
+        Layout(offload="disk")
     with pytest.raises(ValueError, match="layer_overhead_s"):
         Hardware("x", layer_overhead_s=(-1.0, 0.0))
     with pytest.raises(ValueError, match="optimizer_Bps"):

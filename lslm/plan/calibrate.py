@@ -105,7 +105,8 @@ def offload_rates(zero_offload: dict[str, Any], allocator: str = "glibc default"
     disk = rows["disk"]["disk_read_bytes"] + rows["disk"]["disk_write_bytes"]
     if not (step["cpu"] > step["none"] and step["disk"] > step["cpu"] and host > 0 and disk > 0):
         raise ValueError(f"zero_offload.json ({allocator}): offload must add time and move bytes to give a rate; "
-                         f"got steps {step} s, host {host} B, disk {disk} B: rerun `python -m lslm.bench.zero_offload` quietly")
+                         f"got steps {step} s, host {host} B, disk {disk} B: rerun "
+                         "`python -m lslm.bench.zero_offload` quietly")
     return {"host_copy_Bps": host / (step["cpu"] - step["none"]), "disk_Bps": disk / (step["disk"] - step["cpu"])}
 
 
