@@ -37,7 +37,8 @@ BUFFERS_COLOR = "#adb5bd"
 #: (key of ``Estimate.times``, label, colour): the parts of a step.
 TIME_PARTS = (("compute", "compute", "#90be6d"), ("bubble", "pipeline bubble", "#e9ecef"),
               ("cores", "core sharing", "#6c757d"), ("tp", "tp comm", "#8ecae6"), ("pp", "pp comm", "#cdb4db"),
-              ("dp", "dp comm (exposed)", "#ffb703"), ("optimizer", "optimizer step", "#f28482"))
+              ("dp", "dp comm (exposed)", "#ffb703"), ("optimizer", "optimizer step", "#f28482"),
+              ("offload", "offload copies", "#b08968"))
 GB = 1e9
 POWERS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -187,7 +188,7 @@ class CalculatorWidget:
             "dp": choice("dp", POWERS, layout.dp), "tp": choice("tp", POWERS[:8], layout.tp),
             "pp": choice("pp", POWERS[:8], layout.pp), "v": choice("v (interleave)", (1, 2, 3, 4, 6, 8), layout.v),
             "cp": choice("cp", POWERS[:6], layout.cp), "zero": choice("ZeRO stage", (0, 1, 2, 3), layout.zero),
-            "offload": choice("offload", ("none", "cpu"), layout.offload),
+            "offload": choice("offload", ("none", "cpu", "disk"), layout.offload),
             "sequence_parallel": w.Checkbox(value=layout.sequence_parallel, description="sequence parallel"),
             "recompute": choice("recompute", ("none", "selective", "full"), layout.recompute),
             "precision": choice("precision", ("bf16", "fp16", "fp32"), layout.precision),
