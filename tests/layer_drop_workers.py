@@ -68,7 +68,7 @@ def dp_vs_serial() -> dict[str, Any]:
             model = copy.deepcopy(start)
             ddp = make_ddp(model, ctx, variant=variant, find_unused_parameters=True)
 
-            def dp_step(x: torch.Tensor, y: torch.Tensor) -> float:
+            def dp_step(x: torch.Tensor, y: torch.Tensor, ddp: Any = ddp) -> float:
                 loss = ddp(x, y)[1]
                 loss.backward()
                 ddp.finish_grad_sync()

@@ -39,7 +39,7 @@ def test_schedule_equals_the_formula() -> None:
         theta = (1 - 0.5) * math.exp(-0.01 * t) + 0.5
         assert s.theta(t) == theta
         probs = s.keep_probs(t, 6)
-        assert probs == [1 - l / 6 * (1 - theta) for l in range(1, 7)]
+        assert probs == [1 - layer / 6 * (1 - theta) for layer in range(1, 7)]
         assert s.expected_kept(t, 6) == pytest.approx(6 - 7 / 2 * (1 - theta), abs=1e-12)
     assert s.theta(0) == 1.0 and s.keep_probs(0, 3) == [1.0, 1.0, 1.0]
     assert s.keep_probs(10**9, 4)[-1] == pytest.approx(0.5)  # the last block tends to theta_bar
@@ -201,3 +201,26 @@ def test_data_parallel_at_2_ranks_equals_the_serial_run() -> None:
         assert got["masks_equal"], variant
         # fp32, the global batch's mean reduced in another order: rounding only.
         assert got["loss_diff"] < 1e-5 and got["param_diff"] < 1e-5, (variant, got)
+
+
+def test_the_demo_records_both_runs_from_one_start() -> None:
+    from lslm.demos.pld import pld_run, summarize_runs
+    from lslm.plot.pld import plot_pld_curves
+
+    data = pld_run(steps=3, batch_size=2, eval_every=3, eval_batches=1)
+    base, pld = data["runs"]["baseline"], data["runs"]["pld"]
+    n_layer = data["config"]["n_layer"]
+    assert [s["blocks"] for s in base["steps"]] == [n_layer] * 3
+    # t = 0: theta = 1, every block kept and unscaled, the same start and batch: the same loss, bit for bit.
+    assert pld["steps"][0]["theta"] == 1.0 and pld["steps"][0]["blocks"] == n_layer
+    assert pld["steps"][0]["loss"] == base["steps"][0]["loss"]
+    assert base["evals"][0] == pld["evals"][0] and [e["step"] for e in pld["evals"]] == [-1, 2]
+    assert [s["tokens"] for s in pld["steps"]] == [2 * data["config"]["block_size"] * k for k in (1, 2, 3)]
+    s = summarize_runs(data, skip=0)
+    assert s["baseline"]["blocks_per_step"] == n_layer and 0 < s["blocks_ratio"] <= 1
+    data["summary"] = s
+    fig = plot_pld_curves(data)
+    assert len(fig.axes) == 3 and fig.axes[1].get_xlabel().startswith("training time (s")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -100,7 +100,7 @@ class PLDSchedule:
         if isinstance(n_layer, bool) or not isinstance(n_layer, int) or n_layer < 1:
             raise ValueError(f"n_layer must be a positive int, got {n_layer!r}")
         drop = 1.0 - self.theta(t)
-        return [1.0 - l / n_layer * drop for l in range(1, n_layer + 1)]
+        return [1.0 - layer / n_layer * drop for layer in range(1, n_layer + 1)]
 
     def expected_kept(self, t: float, n_layer: int) -> float:
         """Expected number of blocks that run at step ``t``: ``sum_l p_l(t)``."""
@@ -213,8 +213,11 @@ def apply_progressive_layer_drop(model: nn.Module, schedule: PLDSchedule, *, gen
     :meth:`~ProgressiveLayerDrop.step` advances ``t``. ``rescale`` multiplies a kept block's ``attn`` and
     ``mlp`` outputs by ``1 / p_l`` in training, as the paper does. ``eval()`` runs every block. Apply it before
     wrapping for data parallelism (``find_unused_parameters=True``: skipped blocks have no gradient) and after
-    any technique that replaces the blocks' ``forward`` (activation recomputation composes: a skipped block is
-    not recomputed either). Applying twice raises; :meth:`~ProgressiveLayerDrop.remove` undoes it.
+    any technique that replaces the blocks' ``forward`` (full activation recomputation composes: a skipped block
+    is not recomputed either, and a kept one's recomputation reads the scale of the latest forward, right when
+    each backward follows its own forward). The draw happens in ``model``'s forward pre-hook, so the model's
+    own forward must run the blocks (not a pipeline stage cut from it). Applying twice raises;
+    :meth:`~ProgressiveLayerDrop.remove` undoes it.
     """
     if not isinstance(schedule, PLDSchedule):
         raise ValueError(f"schedule must be a PLDSchedule, got {type(schedule).__name__}")
