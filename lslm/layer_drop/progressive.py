@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PLDSchedule", "ProgressiveLayerDrop", "apply_progressive_layer_drop"]
+__all__ = ["PLDSchedule", "ProgressiveLayerDrop", "apply_progressive_layer_drop", "skippable_forward"]
 
 
 def _real(name: str, value: Any) -> float:
@@ -195,7 +195,11 @@ class ProgressiveLayerDrop:
             del self.model.progressive_layer_drop
 
 
-def _skippable(handle: ProgressiveLayerDrop, index: int, inner: Callable[..., Any]) -> Callable[..., Any]:
+def skippable_forward(handle: ProgressiveLayerDrop, index: int, inner: Callable[..., Any]) -> Callable[..., Any]:
+    """Block ``index``'s ``forward`` under PLD: ``inner(x)`` if this forward keeps it, else ``x`` (no compute).
+
+    A skipped block is the identity on the residual stream: no forward, hence no backward and no gradient.
+    """
     @functools.wraps(inner)
     def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not handle.mask[index]:
@@ -238,7 +242,7 @@ def apply_progressive_layer_drop(model: nn.Module, schedule: PLDSchedule, *, gen
     handle._handles.append(model.register_forward_pre_hook(handle._before_forward))
     for i, block in enumerate(blocks):
         handle._originals.append(block.__dict__.get("forward"))  # an earlier wrapper (recompute) or None
-        block.forward = _skippable(handle, i, block.forward)
+        block.forward = skippable_forward(handle, i, block.forward)
         if rescale:
             for sub in (block.attn, block.mlp):
                 handle._handles.append(sub.register_forward_hook(functools.partial(handle._scale_output, i)))
