@@ -29,10 +29,11 @@ layers from 0, so its first layer is never dropped; we follow the paper's formul
 **Randomness.** One keep/skip draw per block per training forward, from a CPU ``torch.Generator`` the caller
 seeds (not the global RNG: dropout's draws are untouched, and the host decides the control flow without a
 device synchronisation). Under data parallelism **every rank must seed it identically** so that all ranks
-skip the same blocks: a block that one rank skipped has no gradient there, so a DDP that all-reduces every
-gradient either raises (lslm's wrappers) or waits forever for a bucket that never becomes ready (torch's
-reducer, lslm's bucketed hooks), and with ``find_unused_parameters=True`` the block's gradient would be the
-sum over only the ranks that ran it divided by all of them - a gradient of no model. Identical masks also
+skip the same blocks: a block that one rank skipped has no gradient there, so on that rank the bucket that
+holds it never becomes ready; the ranks that ran the block wait in an all-reduce it never launches (until the
+collective timeout) and the wrappers raise (lslm's in ``finish_grad_sync``, torch's reducer at the next
+forward). With ``find_unused_parameters=True`` it would run, but the block's gradient would be the sum over
+only the ranks that ran it divided by all of them - a gradient of no model. Identical masks also
 keep the ranks in step: the slowest rank sets the step time, so independent masks would lose the speed-up.
 With identical masks a skipped block is unused on every rank, so DDP with ``find_unused_parameters=True``
 leaves its ``.grad`` at ``None`` exactly as the serial run does.
