@@ -38,6 +38,7 @@ GIST = {
     "data_parallel": "DataParallel written out,\nDDP, accumulation",
     "harness": "config -> CLI, run-or-launch,\ntimer, bench runner",
     "plan": "memory / comm / time\ncalculator, search",
+    "layer_drop": "progressive layer\ndropping (PLD)",
     "precision": "loss scaler, master\nweights, fp16/bf16",
     "tensor_parallel": "f/g, parallel layers,\napply_tensor_parallel",
     "pipeline": "schedules, executor,\nsimulator, 2BW",

@@ -15,4 +15,6 @@ keep the library below them.
 * ``pipeline_demo`` - schedules on processes, torch pipelining side by side (06);
 * ``precision_demo``, ``precision_costs``, ``precision_ranks`` - mixed precision, its costs, its agreement across
   ranks (07).
+* ``pld`` - progressive layer dropping against the baseline: time per step, tokens and seconds to a target
+  loss (10; ``python -m lslm.demos.pld --out bench/results/pld``).
 """
