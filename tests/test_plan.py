@@ -308,7 +308,7 @@ def test_estimate_traces_every_number_and_finds_the_bound_axes() -> None:
                    1024)
     assert est.fits and est.microbatches == 96
     assert all(formula for _, _, _, formula in est.table())
-    assert {v.axis for v in est.verdicts} == {"dp", "tp", "pp"} and est.comm["cp"] is None
+    assert {v.axis for v in est.verdicts} == {"dp", "tp", "pp"} and est.comm["cp"].collectives == ()
     # The same layout with tensor parallelism across nodes (tp = 16 > 8 devices per node) is tp-bound.
     wide = estimate(gpt3, Layout(dp=8, tp=16, pp=8, zero=1, sequence_parallel=True, recompute="selective"), H100,
                     1024)

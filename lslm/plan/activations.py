@@ -29,6 +29,17 @@ of ``L/p`` layers in 1F1B, Narayanan et al. 2021 §2.2.1; interleaved with ``v``
 :func:`lslm.pipeline.theory.activation_memory_theory` (a test checks they agree; that module sits in a layer
 above this one). Rank 0 is the most loaded: ``p`` micro-batches, ``1 + (p - 1)/(p v)`` times that interleaved.
 
+**Context parallelism** (``cp > 1``): every per-token tensor holds ``s/cp`` tokens, so ``s`` is ``seq_len / cp``
+in every row above and the whole layer falls as ``1/cp``, the ends included. The attention core keeps no score
+matrix: ring attention merges blockwise partial results with a log-sum-exp and its backward recomputes the
+probabilities block by block (lslm's :mod:`lslm.context_parallel.ring`, as Megatron-LM's context parallelism runs
+on flash attention), and Ulysses runs a fused kernel on its ``a/cp`` heads; so the ``5as^2b`` term is dropped as
+with ``flash_attention``, and what the core keeps is q, k, v, its output and the ``O(s)`` log-sum-exp (not
+counted). What ``cp`` does not divide: the model states (:mod:`lslm.plan.states`: parameters are replicated over
+``cp``; ZeRO shards over ``dp · cp``) and the ring's key/value blocks in flight (:mod:`lslm.plan.memory`).
+Checked: lslm's context-parallel GPT at cp = 1, 2, 4, measured with ``lslm.metrics.ActivationMemory``, within
+1 % (tests/test_context_parallel.py).
+
 **The ends** (Korthikanti §4.3): the first stage also keeps the embedding's dropout mask (``m · sbh`` per
 in-flight micro-batch, ``/t`` with sequence parallelism); the last keeps the final LayerNorm's input and the
 head's input (``e · sbh`` each, ``/t`` with SP) and the fp32 logits for the loss (``4 sbV / t``, the head
@@ -41,7 +52,7 @@ from lslm.metrics.activation_theory import korthikanti_layer_bytes
 from lslm.plan.layout import Layout
 from lslm.plan.model import ModelSpec
 
-__all__ = ["embedding_mask_bytes", "in_flight_layers", "in_flight_microbatches", "last_stage_extra_bytes",
+__all__ = ["cp_units", "embedding_mask_bytes", "in_flight_layers", "in_flight_microbatches", "last_stage_extra_bytes",
            "layer_activation_bytes", "layer_formula"]
 
 
@@ -54,8 +65,8 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute: str | No
     """Bytes one layer keeps for backward on one device for one micro-batch (module doc's table).
 
     ``recompute`` overrides the layout's (to report the bytes without recompute next to those with it).
-    ``cp`` splits the sequence: ``s`` is ``seq_len / cp`` here (the attention term then counts the local
-    queries against the local keys only, a lower bound for ring attention's key/value blocks in flight).
+    ``cp`` splits the sequence: ``s`` is ``seq_len / cp`` here, and with ``cp > 1`` the attention core keeps
+    no ``s^2`` scores (module doc: ring attention and Ulysses run blockwise / fused attention).
     ``mask_bytes``: a dropout mask's bytes per element (1: a bool mask; 4 on a CPU, see
     :attr:`lslm.plan.hardware.Hardware.dropout_mask_bytes`).
     """
@@ -66,7 +77,7 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute: str | No
     region = t if sp else 1  # the LayerNorm / dropout region: replicated, or split along the sequence
     if recompute == "full":
         return e * s * b * h / region
-    attention_core = 0 if (recompute == "selective" or layout.flash_attention) else 1
+    attention_core = 0 if (recompute == "selective" or layout.flash_attention or layout.cp > 1) else 1
     # Without re-gathering, the two column-parallel layers keep their gathered input: e·sbh each, not split.
     kept_whole = 2 * e * s * b * h * (1 - 1 / t) if sp and not layout.regather else 0.0
     if model.arch == "gpt" and model.ffn == 4 * h and model.kv_heads == a and m:
@@ -90,8 +101,17 @@ def layer_formula(model: ModelSpec, layout: Layout, recompute: str | None = None
     if recompute == "full":
         return "2sbh/t (full recompute, SP)" if sp else "2sbh (full recompute)"
     if model.arch != "gpt":
-        return "Korthikanti §4.1's tensors adapted to GQA + SwiGLU, no dropout (ours)"
-    core = recompute == "selective" or layout.flash_attention
+        return "Korthikanti §4.1's tensors adapted to GQA + SwiGLU, no dropout (ours)" + _cp_note(layout)
+    core = recompute == "selective" or layout.flash_attention or layout.cp > 1
+    return _table_row(layout, core) + _cp_note(layout)
+
+
+def _cp_note(layout: Layout) -> str:
+    return f", s = seq/cp (cp {layout.cp}, {layout.cp_method}: no s^2 scores kept)" if layout.cp > 1 else ""
+
+
+def _table_row(layout: Layout, core: bool) -> str:
+    sp = layout.sequence_parallel
     if layout.tp == 1:
         return "34sbh" if core else "sbh(34 + 5as/h)"
     if sp:
@@ -136,3 +156,12 @@ def last_stage_extra_bytes(model: ModelSpec, layout: Layout) -> float:
     region = t if layout.sequence_parallel else 1
     head_input = e * s * b * h / (region if layout.regather else 1)  # without re-gathering: kept whole
     return e * s * b * h / region + head_input + 4 * s * b * model.vocab / t
+
+
+def cp_units(model: ModelSpec, layout: Layout) -> tuple[float, float]:
+    """``(u_q, u_kv)``: bytes of one rank's queries, and of its keys (or values), for one layer and micro-batch
+    (:mod:`lslm.plan.comm`; key/value heads split over ``min(t, kv)`` ranks, as in :mod:`lslm.plan.memory`)."""
+    e = 4 if layout.precision == "fp32" else 2
+    tokens = model.micro_batch * (model.seq_len // layout.cp)
+    kv_local = model.kv_heads // min(layout.tp, model.kv_heads)
+    return e * tokens * model.hidden / layout.tp, e * tokens * kv_local * model.head_dim

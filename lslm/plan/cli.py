@@ -3,8 +3,9 @@
 A preset model (``--model gpt3-175b``) or one described by flags (``--layers --hidden --heads ...``), a
 hardware preset with its numbers overridden (``--peak-tflops``, ``--efficiency``, ``--hbm-gb``,
 ``--devices-per-node``, ``--intra-gbps``/``--inter-gbps``, ``--intra-alpha-us``/``--inter-alpha-us``), and a layout
-(``--dp --tp --pp --v --zero --sp --recompute --precision``). ``--validate`` prints the time model against the
-committed bench step times instead (:mod:`lslm.plan.validate`). Bad input is refused through ``parser.error`` with
+(``--dp --tp --pp --v --cp --cp-method --zero --sp --recompute --precision``; ``--search-cp 1 2 4 8`` lets the
+search choose context parallelism). ``--validate`` prints the time model against the committed bench step times
+instead (:mod:`lslm.plan.validate`). Bad input is refused through ``parser.error`` with
 the calculator's own message (what to change).
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 
 from lslm.plan.estimate import estimate
 from lslm.plan.hardware import PRECISIONS, Link, hardware_presets
-from lslm.plan.layout import OFFLOADS, RECOMPUTE, Layout
+from lslm.plan.layout import CP_METHODS, OFFLOADS, RECOMPUTE, Layout
 from lslm.plan.model import ModelSpec, model_presets
 from lslm.plan.search import search
 from lslm.plan.validate import format_validation, load_results, validate
@@ -27,6 +28,8 @@ EPILOG = """\
 examples:
   lslm plan --model gpt3-175b --devices 1024 --tp 8 --pp 8 --zero 1 --sp --recompute selective
   lslm plan --model llama3-8b --devices 8 --search --flash
+  lslm plan --model llama3-8b --seq 65536 --devices 16 --tp 8 --cp 2 --sp --flash
+  lslm plan --model llama3-8b --seq 131072 --devices 32 --search --search-cp 1 2 4 8 --flash
   lslm plan --layers 24 --hidden 2048 --heads 16 --vocab 50257 --seq 2048 --global-batch 512 --devices 64 --search
   lslm plan --validate"""
 
@@ -59,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lay.add_argument("--devices", type=int, default=None, help="device count (dp x tp x pp x cp must equal it)")
     for flag in ("--dp", "--tp", "--pp", "--v", "--cp"):
         lay.add_argument(flag, type=int, default=None if flag == "--dp" else 1, help=f"{flag[2:]} size")
+    lay.add_argument("--cp-method", choices=CP_METHODS, default="ring",
+                     help="with --cp > 1: ring attention (zig-zag) or Ulysses all-to-all (default ring)")
     lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (default 0)")
     lay.add_argument("--offload", choices=OFFLOADS, default="none", help="optimizer offload (ZeRO-Offload)")
     lay.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
@@ -68,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lay.add_argument("--precision", choices=PRECISIONS, default="bf16", help="default bf16 (fp32 masters)")
     lay.add_argument("--flash", action="store_true", help="fused attention: no s^2 activations kept")
     p.add_argument("--search", action="store_true", help="rank the layouts that fit --devices by step time")
+    p.add_argument("--search-cp", type=int, nargs="+", default=[1], metavar="CP",
+                   help="context-parallel sizes --search tries, with --cp-method (default: 1)")
     p.add_argument("--top", type=int, default=10, help="layouts --search prints (default 10)")
     p.add_argument("--validate", action="store_true",
                    help="the time model against the committed TP, pipeline and ZeRO bench step times (cpu-box)")
@@ -129,7 +136,8 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if ns.search:
             if ns.devices is None:
                 parser.error("--search needs --devices (how many devices to lay the model out on)")
-            found = search(model, hw, ns.devices, precision=ns.precision, flash_attention=ns.flash, top=ns.top)
+            found = search(model, hw, ns.devices, precision=ns.precision, flash_attention=ns.flash, top=ns.top,
+                           context_parallel=tuple(ns.search_cp), cp_methods=(ns.cp_method,))
             if not found:
                 print(f"no layout of {model.name} fits {ns.devices} x {hw.name} "
                       f"({hw.usable_bytes / 1e9:.1f} GB usable each)")
@@ -146,7 +154,7 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if ns.dp is None and ns.devices is not None and ns.devices % world_rest:
             parser.error(f"--devices {ns.devices} is not a multiple of tp x pp x cp = {world_rest}: no whole dp fits")
         dp = ns.dp if ns.dp is not None else (ns.devices // world_rest if ns.devices else 1)
-        layout = Layout(dp=dp, tp=ns.tp, pp=ns.pp, v=ns.v, cp=ns.cp, zero=ns.zero, offload=ns.offload,
+        layout = Layout(dp=dp, tp=ns.tp, pp=ns.pp, v=ns.v, cp=ns.cp, cp_method=ns.cp_method, zero=ns.zero, offload=ns.offload,
                         sequence_parallel=ns.sp, recompute=ns.recompute, precision=ns.precision,
                         flash_attention=ns.flash, regather=not ns.no_regather)
         print(estimate(model, layout, hw, ns.devices).format())

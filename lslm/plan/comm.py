@@ -34,7 +34,17 @@ read at ``S`` (:attr:`lslm.plan.hardware.Link.measured`: the ``cpu-box`` preset'
 * **pp** (Narayanan et al. 2021 §2.2): per micro-batch and chunk, one activation forward and one gradient
   backward of ``e · s b h`` (``/t`` with SP), ``v`` chunks per rank; nothing leaves the model's first stage
   backward or its last stage forward (:func:`pp_sends`; a test counts lslm's executor's sends).
-* **cp**: not modelled yet (``None``): context parallelism is the next chapter.
+* **cp** (``c`` ranks, strided by ``t``: the group spans ``c · t`` devices; Liu et al. 2023, ring attention;
+  Jacobs et al. 2023, DeepSpeed-Ulysses §3), per layer and micro-batch, with ``u_q = e · b (s/c) h/t`` (this
+  rank's queries) and ``u_kv`` (its keys, or values: ``kv/a`` of ``u_q``, at least one head per rank):
+  the **ring** sends its key/value block ``c - 1`` times in the forward (``2 u_kv`` each, behind the attention
+  of the block in hand), again ``c - 1`` times in the backward, and the dK/dV accumulator ``c`` times (it
+  travels the whole ring to come home); **Ulysses** all-to-alls q, k, v (``u_q + 2 u_kv``) and the output
+  (``u_q``) in the forward and their gradients in the backward, on the critical path. Recomputation (full or
+  selective: the attention core) repeats the forward's. The payloads are what lslm's ledger records (the
+  ring's sends; Ulysses' whole all-to-all inputs, ``(c - 1)/c`` of which leave the rank): the same formulas as
+  :func:`lslm.context_parallel.traffic.cp_traffic`, and a test equals them with the ledger of lslm's
+  context-parallel GPT. The loss's two one-number all-reduces over ``dp · cp`` are left out.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ import math
 from dataclasses import dataclass
 
 from lslm.metrics.collective_costs import cost_coefficients
+from lslm.plan.activations import cp_units
 from lslm.plan.hardware import Hardware, Link
 from lslm.plan.layout import Layout
 from lslm.plan.memory import replicated_params, stage_split
@@ -240,13 +251,36 @@ def _pp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
                    "none past the model's ends"),))
 
 
-def communication(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> dict[str, AxisComm | None]:
-    """Each axis's communication per step on one device of pipeline stage ``stage`` (``cp``: ``None``).
+def _cp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> AxisComm:
+    c = layout.cp
+    link = hw.link(c * layout.tp)
+    uq, ukv = cp_units(model, layout)
+    n = model.n_layer // layout.pp * m  # layer-micro-batches per step
+    passes = 1 if layout.recompute == "none" else 2  # recomputation reruns the attention core's forward
+    if layout.cp_method == "ring":
+        out = (Collective("cp", "ring K/V blocks (forward)", "p2p", 2 * ukv, c, (c - 1) * passes * n, link,
+                          "c - 1 steps of 2u_kv per layer (x2 with recompute), behind the block's attention"),
+               Collective("cp", "ring K/V blocks (backward)", "p2p", 2 * ukv, c, (c - 1) * n, link,
+                          "c - 1 steps of 2u_kv per layer"),
+               Collective("cp", "ring dK/dV accumulators (backward)", "p2p", 2 * ukv, c, c * n, link,
+                          "c hops of 2u_kv per layer (the last one home)"))
+    else:
+        qkv = uq + 2 * ukv
+        out = (Collective("cp", "q, k, v all-to-all (forward)", "all_to_all_pairwise", qkv, c, passes * n, link,
+                          "u_q + 2u_kv per layer (x2 with recompute), sequence- to head-sharded"),
+               Collective("cp", "output all-to-all (forward)", "all_to_all_pairwise", uq, c, passes * n, link,
+                          "u_q per layer, head- to sequence-sharded"),
+               Collective("cp", "output-gradient all-to-all (backward)", "all_to_all_pairwise", uq, c, n, link,
+                          "u_q per layer"),
+               Collective("cp", "q, k, v gradient all-to-all (backward)", "all_to_all_pairwise", qkv, c, n, link,
+                          "u_q + 2u_kv per layer"))
+    return AxisComm("cp", c, link, out)
+
+
+def communication(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> dict[str, AxisComm]:
+    """Each axis's communication per step on one device of pipeline stage ``stage`` (module doc).
 
     An axis of size 1 communicates nothing: its :class:`AxisComm` has no collectives."""
     axes = {"dp": _dp(model, layout, hw, m, stage), "tp": _tp(model, layout, hw, m, stage),
-            "pp": _pp(model, layout, hw, m, stage)}
-    out: dict[str, AxisComm | None] = {name: ax if ax.group > 1 else AxisComm(name, 1, ax.link, ())
-                                       for name, ax in axes.items()}
-    out["cp"] = None
-    return out
+            "pp": _pp(model, layout, hw, m, stage), "cp": _cp(model, layout, hw, m, stage)}
+    return {name: ax if ax.group > 1 else AxisComm(name, 1, ax.link, ()) for name, ax in axes.items()}

@@ -8,9 +8,9 @@ stages (:mod:`.memory`, :mod:`.states`, :mod:`.activations`), communication per 
 Limits, in one place: dense decoder-only transformers; Adam's states; 1F1B / interleaved 1F1B; ring collectives
 with one alpha-beta cost per link kind, or per algorithm where the link has its own fits (no hierarchical or
 tree algorithms, no congestion between concurrent groups); no overlap of tensor-parallel or pipeline
-communication; context parallelism's communication is not modelled, nor the optimizer step's time unless the
-hardware gives a streaming rate (the ``cpu-box`` does); memory fragmentation is ``Hardware.reserved_bytes``,
-not modelled.
+communication (the context-parallel ring's overlap with attention is modelled); the optimizer step's time only
+where the hardware gives a streaming rate (the ``cpu-box`` does); memory fragmentation is
+``Hardware.reserved_bytes``, not modelled.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Estimate:
     params: dict[str, Term]
     memory: StageMemory
     stages: list[StageMemory]
-    comm: dict[str, AxisComm | None]
+    comm: dict[str, AxisComm]
     times: dict[str, Term]
     verdicts: list[Verdict]
     notes: list[str] = field(default_factory=list)
@@ -73,8 +73,8 @@ class Estimate:
                 "memory": {name: t.value for name, t in self.memory.owners.items()},
                 "host_memory": {name: t.value for name, t in self.memory.states.host.items()},
                 "activations_without_recompute": self.memory.activations_without_recompute.value,
-                "comm_wire_bytes": {a: (c.wire_bytes if c else None) for a, c in self.comm.items()},
-                "comm_s": {a: (c.time_s if c else None) for a, c in self.comm.items()},
+                "comm_wire_bytes": {a: c.wire_bytes for a, c in self.comm.items()},
+                "comm_s": {a: c.time_s for a, c in self.comm.items()},
                 "times": {name: t.value for name, t in self.times.items()},
                 "comm_bound": {v.axis: v.comm_bound for v in self.verdicts}, "mfu": self.mfu}
 
@@ -98,13 +98,11 @@ class Estimate:
         rows.append(("communication", f"per step, pipeline stage {self.layout.pp - 1}", "",
                      "the last stage: it also runs the head, so it sets the pipeline's pace"))
         for axis, ax in self.comm.items():
-            if ax is None:
-                rows.append(("communication", axis, "not modelled", "context parallelism: next chapter"))
-                continue
             if not ax.collectives:
                 rows.append(("communication", axis, "none", "an axis of size 1"))
                 continue
-            rows.append(("communication", f"{axis} (group {ax.group})", format_bytes_gb(ax.wire_bytes) + " sent",
+            name = "dp x cp" if axis == "dp" and self.layout.cp > 1 else axis
+            rows.append(("communication", f"{name} (group {ax.group})", format_bytes_gb(ax.wire_bytes) + " sent",
                          f"{ax.time_s * 1e3:.3f} ms back to back; link {ax.link.bandwidth_Bps / 1e9:g} GB/s, "
                          f"alpha {ax.link.alpha_s * 1e6:g} µs"))
             for c in ax.collectives:
@@ -154,7 +152,9 @@ def estimate(model: ModelSpec, layout: Layout, hardware: Hardware, devices: int 
     times, verdicts = step_time(model, layout, hardware, m, comm)
     notes = []
     if layout.cp > 1:
-        notes.append("cp > 1: activations use s/cp; context-parallel communication is not modelled")
+        notes.append(f"cp = {layout.cp}: activations hold s/cp tokens per device (no s^2 scores: {layout.cp_method} "
+                     f"attention); parameters are replicated over cp, gradients reduced over dp x cp = "
+                     f"{layout.dp * layout.cp}")
     if layout.zero >= 2 and layout.pp > 1:
         notes.append("ZeRO-2/3 with pipeline parallelism: gradients (and stage 3's parameters) move every "
                      "micro-batch; DeepSpeed refuses this combination and Megatron shards only the optimizer "

@@ -16,7 +16,12 @@ gradients in the parameters' dtype, the ZeRO paper's accounting), ``v`` virtual 
 the column-parallel layers keep their sharded input and all-gather it again in backward, Megatron's choice and
 lslm's for its GPT; False keeps the gathered input), ``bucket_mb`` (data-parallel bucket size, which sets how
 many messages a step sends), ``optimizer`` (``"adamw"`` or ``"sgd-momentum"``: the bytes its step streams per
-element, :data:`lslm.plan.hardware.OPTIMIZER_BYTES`; the optimizer states' memory is Adam's either way).
+element, :data:`lslm.plan.hardware.OPTIMIZER_BYTES`; the optimizer states' memory is Adam's either way),
+``cp_method`` (with ``cp > 1``: ``"ring"``, ring attention on the zig-zag layout, or ``"ulysses"``,
+DeepSpeed-Ulysses' all-to-all; :mod:`lslm.context_parallel` implements both).
+
+Context parallelism splits the sequence: every device of a ``cp`` group holds ``s/cp`` tokens of each sequence and
+the whole model (parameters are replicated over ``cp``; gradients are reduced over ``dp · cp``).
 
 :func:`check_layout` refuses a layout that cannot run, with what to change.
 """
@@ -28,11 +33,12 @@ from dataclasses import dataclass
 from lslm.plan.hardware import PRECISIONS
 from lslm.plan.model import ModelSpec
 
-__all__ = ["OFFLOADS", "OPTIMIZERS", "RECOMPUTE", "Layout", "check_layout", "microbatches"]
+__all__ = ["CP_METHODS", "OFFLOADS", "OPTIMIZERS", "RECOMPUTE", "Layout", "check_layout", "microbatches"]
 
 RECOMPUTE = ("none", "selective", "full")
 OFFLOADS = ("none", "cpu", "disk")
 OPTIMIZERS = ("adamw", "sgd-momentum")
+CP_METHODS = ("ring", "ulysses")
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,7 @@ class Layout:
     regather: bool = True
     bucket_mb: float = 25.0
     optimizer: str = "adamw"
+    cp_method: str = "ring"
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "v", "cp"):
@@ -81,6 +88,8 @@ class Layout:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"Layout.optimizer must be one of {OPTIMIZERS} (it sets the optimizer step's bytes "
                              f"per element), got {self.optimizer!r}")
+        if self.cp_method not in CP_METHODS:
+            raise ValueError(f"Layout.cp_method must be one of {CP_METHODS}, got {self.cp_method!r}")
         if not self.bucket_mb > 0:
             raise ValueError(f"Layout.bucket_mb must be > 0, got {self.bucket_mb!r}")
 
@@ -98,7 +107,7 @@ class Layout:
         """A one-line summary, e.g. ``dp 16 x tp 8 x pp 8 (v 2), ZeRO-1, SP, recompute selective, bf16``."""
         parts = [f"dp {self.dp}", f"tp {self.tp}", f"pp {self.pp}" + (f" (v {self.v})" if self.v > 1 else "")]
         if self.cp > 1:
-            parts.append(f"cp {self.cp}")
+            parts.append(f"cp {self.cp} ({self.cp_method})")
         opts = [f"ZeRO-{self.zero}" if self.zero else "no ZeRO"]
         if self.offload != "none":
             opts.append(f"offload {self.offload}")
@@ -136,6 +145,15 @@ def check_layout(model: ModelSpec, layout: Layout, devices: int | None = None) -
     if model.seq_len % (layout.cp * (layout.tp if layout.sequence_parallel else 1)):
         raise ValueError(f"seq_len={model.seq_len} must split over cp x (tp with sequence parallelism) = "
                          f"{layout.cp * (layout.tp if layout.sequence_parallel else 1)}")
+    if layout.cp > 1 and layout.cp_method == "ring" and model.seq_len % (2 * layout.cp):
+        raise ValueError(f"seq_len={model.seq_len} must split into 2 x cp = {2 * layout.cp} chunks: ring attention "
+                         "uses the zig-zag layout (rank i holds chunks i and 2cp - 1 - i)")
+    if layout.cp > 1 and layout.cp_method == "ulysses":
+        heads, kv = model.n_head // layout.tp, max(1, model.kv_heads // layout.tp)
+        if heads % layout.cp or kv % layout.cp:
+            raise ValueError(f"Ulysses splits each tensor-parallel rank's heads over cp: {heads} query and {kv} "
+                             f"key/value heads per rank must be divisible by cp={layout.cp}; use a smaller cp or "
+                             "cp_method='ring' (no head constraint)")
     m = microbatches(model, layout)
     if layout.v > 1 and m % layout.pp:
         raise ValueError(f"the interleaved schedule needs the micro-batches per step ({m}) to be a multiple of "

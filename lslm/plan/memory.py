@@ -11,8 +11,11 @@ Activations: :mod:`lslm.plan.activations` (in flight x per layer, plus the ends)
 full activations exist again during its backward (the "recompute working set"). Communication buffers:
 ZeRO-2's staging buckets for the reduce-scatter (2 in flight, lslm's ``max_inflight``), ZeRO-3's gathered
 units (this one and the prefetched next, in the parameters' dtype, plus a staging bucket of gradients), the
-pipeline's receive buffers (one activation and one gradient). Transient all-gather outputs of sequence
-parallelism are one layer's input and are not counted.
+pipeline's receive buffers (one activation and one gradient), context parallelism's blocks in flight (the ring's
+backward, lslm's :mod:`lslm.context_parallel.ring`: the key/value block in hand and the one arriving, the dK/dV
+accumulator being filled, the one sent and the one received, five blocks of ``2 u_kv``; Ulysses: the all-to-all's
+send and receive buffers of q, k, v, ``2 (u_q + 2 u_kv)``), for one layer at a time, not divided further by
+``cp``. Transient all-gather outputs of sequence parallelism are one layer's input and are not counted.
 
 Only the first and the last stage need evaluating: a middle stage holds fewer parameters than the first and
 fewer micro-batches in flight.
@@ -23,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lslm.plan.activations import (
+    cp_units,
     embedding_mask_bytes,
     in_flight_layers,
     last_stage_extra_bytes,
@@ -165,6 +169,17 @@ def stage_memory(model: ModelSpec, layout: Layout, m: int, stage: int, *, dp_ran
         buffers["pipeline receive buffers"] = Term("pipeline receive buffers", recv, "B",
                                                    "an activation and a gradient: 2 x e·sbh (/t with SP)",
                                                    "Narayanan et al. 2021 §2.2")
+    if layout.cp > 1:
+        uq, ukv = cp_units(model, layout)
+        if layout.cp_method == "ring":
+            buffers["context-parallel ring blocks"] = Term(
+                "context-parallel ring blocks", 5 * 2 * ukv, "B",
+                "5 x 2u_kv: K/V in hand and arriving, dK/dV filled, sent and received (one layer's backward)",
+                "lslm.context_parallel.ring")
+        else:
+            buffers["Ulysses all-to-all buffers"] = Term(
+                "Ulysses all-to-all buffers", 2 * (uq + 2 * ukv), "B",
+                "send + receive of q, k, v: 2 (u_q + 2u_kv), one layer at a time", "lslm.context_parallel.ulysses")
     return StageMemory(stage, psi, states, acts, acts0, buffers)
 
 

@@ -1,7 +1,9 @@
 """Which layouts fit a device count and a device's memory, ranked by predicted step time.
 
-:func:`search` enumerates ``tp`` (divisors of the heads, at most one node), ``pp`` (divisors of the layers),
-``v`` (virtual stages, interleaved), ``dp = devices / (tp · pp)``, the ZeRO stage, recomputation and the
+:func:`search` enumerates ``tp`` (divisors of the heads, at most one node), ``cp`` (context parallelism, from
+``context_parallel``: 1 by default, e.g. ``(1, 2, 4, 8)`` for long sequences; ring attention, or Ulysses where
+``cp_methods`` includes it), ``pp`` (divisors of the layers), ``v`` (virtual stages, interleaved),
+``dp = devices / (tp · cp · pp)``, the ZeRO stage, recomputation and the
 micro-batch; sequence parallelism is on whenever ``tp > 1`` (it only saves memory at the same volume of
 communication, Korthikanti et al. 2022 §4.2.2). Every candidate goes through :func:`lslm.plan.estimate`, so
 each ranked answer carries the whole traced table; layouts that cannot run (a batch that does not split, an
@@ -35,7 +37,8 @@ def search(model: ModelSpec, hardware: Hardware, devices: int, *, precision: str
            zero_stages: Sequence[int] = (0, 1, 2, 3), recompute: Sequence[str] = ("none", "selective", "full"),
            micro_batches: Sequence[int] = (1, 2, 4, 8), virtual_stages: Sequence[int] = (1, 2, 4),
            max_tp: int | None = None, flash_attention: bool = False, zero_with_pp: bool = False, top: int = 10,
-           fitting_only: bool = True) -> list[Estimate]:
+           fitting_only: bool = True, context_parallel: Sequence[int] = (1,),
+           cp_methods: Sequence[str] = ("ring",)) -> list[Estimate]:
     """The ``top`` layouts of ``model`` on ``devices`` devices of ``hardware``, fastest first (module doc).
 
     ``max_tp`` defaults to ``hardware.devices_per_node`` (tensor parallelism across nodes is rarely worth it,
@@ -44,39 +47,47 @@ def search(model: ModelSpec, hardware: Hardware, devices: int, *, precision: str
     (what a fused attention kernel does; the paper's default, False, keeps them). ``zero_with_pp``: also try
     ZeRO-2/3 with pipeline parallelism, which DeepSpeed refuses and Megatron does not offer (their gradients,
     and stage 3's parameters, would cross the data-parallel group every micro-batch); off by default.
+    ``context_parallel``: the ``cp`` sizes to try (each must divide the devices left after ``tp``);
+    ``cp_methods``: ``"ring"`` and/or ``"ulysses"`` for ``cp > 1``.
     """
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be an int >= 1, got {devices!r}")
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
     max_tp = hardware.devices_per_node if max_tp is None else max_tp
+    cps = sorted(set(context_parallel))
+    if not cps or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cps):
+        raise ValueError(f"context_parallel must list ints >= 1, got {tuple(context_parallel)!r}")
     found: list[Estimate] = []
     for tp in _divisors(devices):
         if tp > max_tp or model.n_head % tp:
             continue
-        for pp in _divisors(devices // tp):
-            if model.n_layer % pp:
-                continue
-            dp = devices // (tp * pp)
-            for mb in micro_batches:
-                if model.global_batch % (dp * mb):
+        pairs = [(c, m) for c in cps if (devices // tp) % c == 0 for m in (cp_methods if c > 1 else ("ring",))]
+        for cp, method in pairs:
+            for pp in _divisors(devices // (tp * cp)):
+                if model.n_layer % pp:
                     continue
-                spec = model.with_batch(micro_batch=mb)
-                for v in virtual_stages if pp > 1 else (1,):
-                    for zero in zero_stages:
-                        if zero and dp == 1:
-                            continue  # ZeRO shards over data-parallel ranks: nothing to shard
-                        if zero >= 2 and pp > 1 and not zero_with_pp:
-                            continue
-                        for rc in recompute:
-                            layout = Layout(dp=dp, tp=tp, pp=pp, v=v, zero=zero, sequence_parallel=tp > 1,
-                                            recompute=rc, precision=precision, flash_attention=flash_attention)
-                            try:
-                                est = estimate(spec, layout, hardware, devices)
-                            except ValueError:
-                                continue  # this combination cannot run (module doc)
-                            if est.fits or not fitting_only:
-                                found.append(est)
+                dp = devices // (tp * cp * pp)
+                for mb in micro_batches:
+                    if model.global_batch % (dp * mb):
+                        continue
+                    spec = model.with_batch(micro_batch=mb)
+                    for v in virtual_stages if pp > 1 else (1,):
+                        for zero in zero_stages:
+                            if zero and dp * cp == 1:
+                                continue  # ZeRO shards over data-parallel ranks: nothing to shard
+                            if zero >= 2 and pp > 1 and not zero_with_pp:
+                                continue
+                            for rc in recompute:
+                                layout = Layout(dp=dp, tp=tp, pp=pp, v=v, cp=cp, cp_method=method, zero=zero,
+                                                sequence_parallel=tp > 1, recompute=rc, precision=precision,
+                                                flash_attention=flash_attention)
+                                try:
+                                    est = estimate(spec, layout, hardware, devices)
+                                except ValueError:
+                                    continue  # this combination cannot run (module doc)
+                                if est.fits or not fitting_only:
+                                    found.append(est)
     found.sort(key=lambda e: (e.step_s, e.peak_bytes))
     return found[:top]
 

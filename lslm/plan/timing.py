@@ -12,7 +12,7 @@ per layer). A device does ``1/(t · cp)`` of its stage's layers' work (and of th
 forward + backward (+ recompute) of the stage::
 
     compute = m · T_mb              bubble = (p - 1)/v · T_mb    (fraction (p - 1)/(v m), Narayanan §2.2)
-    step    = compute + bubble + tp + pp + exposed dp
+    step    = compute + bubble + tp + pp + exposed cp + exposed dp
 
 Tensor-parallel and pipeline communication is on the critical path (not overlapped: lslm's, and Megatron's
 without its overlap options); data-parallel communication is overlapped with the backward of the last
@@ -50,6 +50,16 @@ and its chapter on parallelising a transformer for training): an axis is
 that no overlap can save it: tensor parallelism per layer and micro-batch against that layer's compute;
 pipeline sends per micro-batch against the stage's compute for it; data parallelism per step against the
 step's backward (the most an ideal overlap could hide behind). ``ratio = T_comm / T_compute``.
+
+**Context parallelism.** The ring overlaps each step's key/value transfer with the attention of the block in hand:
+the verdict compares one forward step's send (``alpha + 2 u_kv beta``) with that block's attention, ``2 b (s/c)^2 h
+/ t`` flops (causal, zig-zag: half of a full ``(s/c) x (s/c)`` block; the backward sends K/V and dK/dV against
+twice the flops, the same ratio). With ``u_kv ∝ s/c`` and the flops ``∝ (s/c)^2`` the ratio falls as the tokens
+per rank grow: the ring hides only above ``s/c ≈ e · rate · (kv/a) / bandwidth`` tokens. Exposed per layer and
+micro-batch: ``(c - 1) max(0, T_kv - T_block)`` forward (per pass), ``(c - 1) max(0, 2T_kv - 2T_block) + T_kv``
+backward (the accumulator's last hop home waits on nothing); on a CPU box without a spare core, all of it.
+Ulysses' all-to-alls sit between the projections and attention, on the critical path: exposed whole, judged per
+layer and micro-batch like tensor parallelism.
 """
 
 from __future__ import annotations
@@ -65,7 +75,7 @@ from lslm.plan.states import bytes_per_element
 from lslm.plan.terms import Term
 
 __all__ = ["Verdict", "core_share", "layer_forward_flops", "model_flops", "narayanan_flops", "offload_bytes",
-           "offload_s", "optimizer_s", "step_time"]
+           "offload_s", "optimizer_s", "ring_block_flops", "step_time"]
 
 NARAYANAN = "Narayanan et al. 2021, §5.1"
 
@@ -177,7 +187,7 @@ def core_share(layout: Layout, hw: Hardware) -> float:
 
 
 def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
-              comm: dict[str, AxisComm | None]) -> tuple[dict[str, Term], list[Verdict]]:
+              comm: dict[str, AxisComm]) -> tuple[dict[str, Term], list[Verdict]]:
     """Time terms of one step on the most loaded stage, and a verdict per axis (module doc)."""
     # The last stage has the head on top of the same layers: it sets the pace of the pipeline.
     t_mb, t_bwd, t_layer = _stage_microbatch_s(model, layout, hw)
@@ -209,6 +219,16 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
         times["pp"] = Term("pipeline communication", pp.time_s, "s", "alpha-beta per send, not overlapped",
                            "Narayanan et al. 2021")
         verdicts.append(Verdict("pp", pp.time_s / m, t_mb, "per micro-batch"))
+    cp = comm["cp"]
+    if cp.group > 1:
+        exposed_cp, verdict = _cp_exposed(model, layout, hw, m, cp, t_layer)
+        how = ("ring: per step max(0, K/V send - block attention)" if layout.cp_method == "ring"
+               else "Ulysses: all-to-alls, not overlapped")
+        if no_overlap:
+            exposed_cp, how = cp.time_s, "all of it: every core computes, none is left to overlap the ring"
+        times["cp"] = Term("context-parallel communication (exposed)", exposed_cp, "s",
+                           f"{how}; {cp.time_s:.3g} s in all", "Liu et al. 2023 (ring); Jacobs et al. 2023 (Ulysses)")
+        verdicts.append(verdict)
     if dp is not None and dp.group > 1:
         if no_overlap:
             exposed = dp.time_s
@@ -248,5 +268,29 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
                                 what + (f" x {share:g} (core sharing)" if share > 1 else ""),
                                 "Ren et al. 2021 (ZeRO-Offload); lslm.zero's offload, bytes counted per element")
     times["step"] = Term("step", sum(t.value for t in times.values()), "s",
-                         "compute + bubble + core sharing + tp + pp + exposed dp + optimizer + offload", "this module")
+                         "compute + bubble + core sharing + tp + pp + exposed cp + exposed dp + optimizer + offload",
+                         "this module")
     return times, verdicts
+
+
+def ring_block_flops(model: ModelSpec, layout: Layout) -> float:
+    """Forward flops of one ring step's attention on one device: a causal zig-zag block, ``2 b (s/c)^2 h / t``
+    (half of the ``4 b (s/c)^2 h / t`` of a full block: two of its four chunk pairs; module doc)."""
+    s = model.seq_len // layout.cp
+    return 2 * model.micro_batch * s * s * model.hidden / layout.tp
+
+
+def _cp_exposed(model: ModelSpec, layout: Layout, hw: Hardware, m: int, cp: AxisComm,
+                t_layer: float) -> tuple[float, Verdict]:
+    """Exposed context-parallel seconds per step and the cp verdict (module doc)."""
+    n = model.n_layer // layout.pp * m
+    if layout.cp_method == "ulysses":
+        return cp.time_s, Verdict("cp", cp.time_s / n, t_layer,
+                                  "per layer and micro-batch (Ulysses' all-to-alls, not overlapped)")
+    c, passes = layout.cp, 1 if layout.recompute == "none" else 2
+    kv = cp.collectives[0]
+    t_kv = kv.time_s / kv.count
+    t_block = ring_block_flops(model, layout) / hw.flops(layout.precision)
+    per_layer = (passes * (c - 1) * max(0.0, t_kv - t_block) + (c - 1) * max(0.0, 2 * t_kv - 2 * t_block) + t_kv)
+    return n * per_layer, Verdict("cp", t_kv, t_block, "per ring step: K/V block send vs the causal block's "
+                                                       "attention (zig-zag)")
