@@ -154,8 +154,8 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if ns.dp is None and ns.devices is not None and ns.devices % world_rest:
             parser.error(f"--devices {ns.devices} is not a multiple of tp x pp x cp = {world_rest}: no whole dp fits")
         dp = ns.dp if ns.dp is not None else (ns.devices // world_rest if ns.devices else 1)
-        layout = Layout(dp=dp, tp=ns.tp, pp=ns.pp, v=ns.v, cp=ns.cp, cp_method=ns.cp_method, zero=ns.zero, offload=ns.offload,
-                        sequence_parallel=ns.sp, recompute=ns.recompute, precision=ns.precision,
+        layout = Layout(dp=dp, tp=ns.tp, pp=ns.pp, v=ns.v, cp=ns.cp, cp_method=ns.cp_method, zero=ns.zero,
+                        offload=ns.offload, sequence_parallel=ns.sp, recompute=ns.recompute, precision=ns.precision,
                         flash_attention=ns.flash, regather=not ns.no_regather)
         print(estimate(model, layout, hw, ns.devices).format())
         return 0
