@@ -54,19 +54,24 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["bench", "ddp", "--bucket-mb", "-1"], "argument --bucket-mb: must be a finite number of MiB > 0, got -1"),
     (["bench", "ddp", "--sweep-mb", "1", "0"], "argument --sweep-mb: must be a finite number of MiB > 0, got 0"),
     (["bench", "ddp", "--bucket-mb", "nan"], "must be a finite number of MiB > 0"),
-    (["bench", "ddp", "--repeats", "3"], "--repeats is an option of `lslm bench launch / collectives / pipeline`, "
+    (["bench", "ddp", "--repeats", "3"], "--repeats is an option of `lslm bench launch / collectives / pipeline / cp`, "
                                          "not of `lslm bench ddp`"),
-    (["bench", "launch", "--quick"], "--quick is an option of `lslm bench ddp / tp / pipeline / zero`, "
+    (["bench", "launch", "--quick"], "--quick is an option of `lslm bench ddp / tp / pipeline / zero / cp`, "
                                      "not of `lslm bench launch`"),
     (["bench", "launch", "--device", "cpu"], "--device is an option of `lslm bench collectives / ddp / tp / "
-                                             "pipeline / zero`"),
+                                             "pipeline / zero / cp`"),
     (["bench", "collectives", "--steps", "2"], "--steps is an option of `lslm bench ddp / tp / zero`"),
     (["bench", "launch", "--frobnicate"], "unknown option --frobnicate for `lslm bench launch`"),
     (["bench", "ddp", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["bench", "tp", "--nprocs", "1"], "must be an integer >= 2 (tensor parallelism needs peers), got 1"),
     (["bench", "tp", "--nprocs", "3"], "n_head=8 does not split over tp=3"),
     (["bench", "ddp", "--no-sp"], "--no-sp is an option of `lslm bench tp`, not of `lslm bench ddp`"),
-    (["bench"], "required: {launch,collectives,ddp,tp,pipeline,zero}"),
+    (["bench"], "required: {launch,collectives,ddp,tp,pipeline,zero,cp}"),
+    (["bench", "cp", "--nprocs", "1"], "must be an integer >= 2 (context parallelism needs peers), got 1"),
+    (["bench", "cp", "--nprocs", "3"], "sequence length 1024 is not divisible by 2·cp = 6"),
+    (["bench", "cp", "--nprocs", "16"], "n_head = 8 is not divisible by cp = 16"),
+    (["bench", "cp", "--repeats", "0"], "argument --repeats: must be an integer >= 1, got 0"),
+    (["bench", "cp", "--steps", "2"], "--steps is an option of `lslm bench ddp / tp / zero`, not of `lslm bench cp`"),
     (["bench", "zero", "--nprocs", "1"], "must be an integer >= 2 (ZeRO partitions over data-parallel peers), got 1"),
     (["bench", "zero", "--entries", "deepspeed"], "unknown entries ['deepspeed']"),
     (["bench", "pipeline", "--nprocs", "1"], "must be an integer >= 2 (a pipeline needs at least two stages), got 1"),
@@ -88,6 +93,7 @@ def test_each_bench_help_lists_its_own_options(capsys: pytest.CaptureFixture[str
     assert BENCH_OPTIONS["launch"] == {"--nprocs", "--repeats", "--out"}
     assert BENCH_OPTIONS["collectives"] == {"--nprocs", "--sizes-kib", "--repeats", "--out", "--device"}
     assert BENCH_OPTIONS["tp"] == {"--nprocs", "--steps", "--quick", "--no-sp", "--out", "--device"}
+    assert BENCH_OPTIONS["cp"] == {"--nprocs", "--repeats", "--quick", "--out", "--device"}
     assert BENCH_OPTIONS["pipeline"] == {"--nprocs", "--microbatches", "--repeats", "--warmup", "--quick", "--out",
                                          "--device", "--n-embd", "--batch"}
     every = set().union(*BENCH_OPTIONS.values())

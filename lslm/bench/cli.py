@@ -1,4 +1,4 @@
-"""``lslm bench launch|collectives|ddp|tp|pipeline|zero``: the bench part of the ``lslm`` command (see :mod:`lslm.cli`).
+"""``lslm bench launch|collectives|ddp|tp|pipeline|zero|cp``: the bench part of ``lslm`` (see :mod:`lslm.cli`).
 
 Each bench is its own sub-command with only the options it uses, so ``lslm bench ddp --help``
 lists ddp's options and an option of another bench is an error that names the bench it
@@ -136,6 +136,16 @@ def _zero_options(p: argparse.ArgumentParser) -> None:
     _device(p)
 
 
+def _cp_options(p: argparse.ArgumentParser) -> None:
+    _nprocs(p, 2, "context parallelism needs peers")
+    p.add_argument("--repeats", type=_int_at_least(1), default=None, metavar="R",
+                   help="timed rounds of every variant; the table shows their median (default: 10; 2 with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shapes, few rounds: checks bytes against the formula, activations; timings meaningless")
+    _out(p, "cp")
+    _device(p)
+
+
 #: name -> (one-line help, what it measures, its options, an example)
 _BENCHES: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None], str]] = {
     "launch": ("start-up cost of a trivial job (lslm.launch wall time)",
@@ -174,6 +184,13 @@ _BENCHES: dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None], s
              "and all-gather bytes per step, and the lslm / peer step-time ratios (stage 1 / "
              "ZeroRedundancyOptimizer, stage 3 / FSDP2, stage 3 / DeepSpeed stage 3).",
              _zero_options, "lslm bench zero --quick --nprocs 2"),
+    "cp": ("ring attention (contiguous, zig-zag) and Ulysses next to full attention, alone and in a GPT block",
+           "Runs causal attention forward + backward as full single-process attention, ring attention (contiguous "
+           "and zig-zag layouts) and Ulysses, alone and inside one GPT block, round-robin in one launch per world "
+           "size (= cp); reports step time, bytes sent per rank from the ledger (checked equal to "
+           "lslm.context_parallel.cp_traffic), bytes saved for backward per rank, and the step-time ratios to full "
+           "attention.",
+           _cp_options, "lslm bench cp --quick --nprocs 2"),
 }
 
 
@@ -189,7 +206,7 @@ BENCH_OPTIONS: dict[str, set[str]] = {name: _option_strings(spec[2]) for name, s
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add one sub-command per bench to ``p`` (the ``lslm bench`` parser), each with its own options."""
-    sub = p.add_subparsers(dest="name", required=True, metavar="{launch,collectives,ddp,tp,pipeline,zero}",
+    sub = p.add_subparsers(dest="name", required=True, metavar="{launch,collectives,ddp,tp,pipeline,zero,cp}",
                            title="benches", description="run `lslm bench NAME --help` for the options of one")
     for name, (short, long, add, example) in _BENCHES.items():
         sp = sub.add_parser(name, help=short, description=textwrap.fill(long, 80), formatter_class=_RAW,
@@ -238,6 +255,10 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
             zero.run(tuple(ns.nprocs), quick=ns.quick, steps=ns.steps, out_dir=out_dir, device=ns.device,
                      **({"entries": tuple(ns.entries)} if ns.entries else {}))
+        elif ns.name == "cp":
+            from lslm.bench import cp
+
+            cp.run(tuple(ns.nprocs), quick=ns.quick, steps=ns.repeats, out_dir=out_dir, device=ns.device)
         elif ns.name == "tp":
             from lslm.bench import tp
 
