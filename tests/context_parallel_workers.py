@@ -153,6 +153,26 @@ def activation_bytes(ctx: ParallelContext, method: str) -> int:
     return act.bytes
 
 
+def gpt_step_bytes(ctx: ParallelContext, method: str) -> dict[str, int]:
+    """Bytes this rank's ledger records, by label, for one training step of the context-parallel GPT (the shapes
+    of :func:`activation_bytes`): the calculator's cp and dp x cp axes are checked against them."""
+    cfg = GPTConfig.tiny(block_size=32)
+    idx, targets = _data(cfg, 2, 32, ctx.device)
+    torch.manual_seed(0)
+    model = apply_context_parallel(GPT(cfg).to(ctx.device), ctx, CPPlan(method, "zigzag"))
+    idx_l, tgt_l = shard_batch(ctx, "zigzag", idx, targets)
+    start = len(ctx.comm.ledger.records)
+    logits, _ = model(idx_l)
+    loss, _ = context_parallel_loss(logits, tgt_l, ctx)
+    loss.backward()
+    reduce_context_parallel_grads(model, ctx)
+    out: dict[str, int] = {}
+    for r in ctx.comm.ledger.records[start:]:
+        if r.op != "recv":  # a p2p pair is recorded on both ends; what a rank sends is its send
+            out[r.label] = out.get(r.label, 0) + r.nbytes
+    return out
+
+
 def traffic(cp: int) -> dict[str, int]:
     """The formula for the shapes of :func:`attention_cases`."""
     return cp_traffic(B, H, T, D, cp)
@@ -170,6 +190,7 @@ def suite() -> dict[str, Any]:
         out["training"] = [training(ctx, m, lay) for m, lay in (("ring", "zigzag"), ("ring", "contiguous"),
                                                                 ("ulysses", "zigzag"))]
         out["activations"] = {m: activation_bytes(ctx, m) for m in CORES}
+        out["gpt_step_bytes"] = {m: gpt_step_bytes(ctx, m) for m in CORES}
         one = ctx.with_grid(cp=1)
         out["activations_cp1"] = {m: activation_bytes(one, m) for m in CORES}
         if ctx.world_size == 4:

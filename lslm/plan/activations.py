@@ -35,10 +35,13 @@ matrix: ring attention merges blockwise partial results with a log-sum-exp and i
 probabilities block by block (lslm's :mod:`lslm.context_parallel.ring`, as Megatron-LM's context parallelism runs
 on flash attention), and Ulysses runs a fused kernel on its ``a/cp`` heads; so the ``5as^2b`` term is dropped as
 with ``flash_attention``, and what the core keeps is q, k, v, its output and the ``O(s)`` log-sum-exp (not
-counted). What ``cp`` does not divide: the model states (:mod:`lslm.plan.states`: parameters are replicated over
-``cp``; ZeRO shards over ``dp · cp``) and the ring's key/value blocks in flight (:mod:`lslm.plan.memory`).
-Checked: lslm's context-parallel GPT at cp = 1, 2, 4, measured with ``lslm.metrics.ActivationMemory``, within
-1 % (tests/test_context_parallel.py).
+counted). The ring's output is the output projection's input (one tensor); Ulysses' kernel output is
+head-sharded and the projection's input is the sequence-sharded tensor the second all-to-all returns, so Ulysses
+keeps one more ``e · sbh/t`` per layer (measured: lslm's Ulysses GPT at cp = 4). What ``cp`` does not divide:
+the model states (:mod:`lslm.plan.states`: parameters are replicated over ``cp``; ZeRO shards over ``dp · cp``)
+and the ring's key/value blocks in flight (:mod:`lslm.plan.memory`).
+Checked: lslm's context-parallel GPT (ring and Ulysses) at cp = 1, 2, 4, measured with
+``lslm.metrics.ActivationMemory``, within 5 % (ring: 0.7 %; tests/test_context_parallel.py).
 
 **The ends** (Korthikanti §4.3): the first stage also keeps the embedding's dropout mask (``m · sbh`` per
 in-flight micro-batch, ``/t`` with sequence parallelism); the last keeps the final LayerNorm's input and the
@@ -80,6 +83,8 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute: str | No
     attention_core = 0 if (recompute == "selective" or layout.flash_attention or layout.cp > 1) else 1
     # Without re-gathering, the two column-parallel layers keep their gathered input: e·sbh each, not split.
     kept_whole = 2 * e * s * b * h * (1 - 1 / t) if sp and not layout.regather else 0.0
+    # Ulysses: the kernel keeps its head-sharded output and the projection its sequence-sharded input, two tensors
+    kept_whole += e * s * b * h / t if layout.cp > 1 and layout.cp_method == "ulysses" else 0.0
     if model.arch == "gpt" and model.ffn == 4 * h and model.kv_heads == a and m:
         total = korthikanti_layer_bytes(s, b, h, a, t, sp, act_bytes=e, mask_bytes=m)
         return total - (1 - attention_core) * a * s * s * b * (2 * e + m) / t + kept_whole
