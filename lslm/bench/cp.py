@@ -84,8 +84,10 @@ def worker(shape: dict[str, int], steps: int = 10, warmup: int = 2, threads: int
         dev, ledger, g = ctx.device, ctx.comm.ledger, CPGroup.of(ctx)
         B, H, T, D = (shape[k] for k in ("batch", "n_head", "seq", "head_dim"))
         gen = torch.Generator().manual_seed(seed)  # the same numbers on every rank, drawn on the CPU, then moved
-        q, k, v, dout = (torch.randn(B, H, T, D, generator=gen).to(dev) for _ in range(4))
-        x, dy = (torch.randn(B, T, H * D, generator=gen).to(dev) for _ in range(2))
+        q, k, v, dout = (torch.randn(B, H, T, D, generator=gen).to(dev)  # lslm: cpu-ok (seeded, then moved)
+                         for _ in range(4))
+        x, dy = (torch.randn(B, T, H * D, generator=gen).to(dev)  # lslm: cpu-ok (seeded, then moved)
+                 for _ in range(2))
         cfg = GPTConfig(vocab_size=16, block_size=T, n_layer=1, n_head=H, n_embd=H * D)
         torch.manual_seed(seed)
         serial = Block(cfg).to(dev)
