@@ -37,7 +37,8 @@ on flash attention), and Ulysses runs a fused kernel on its ``a/cp`` heads; so t
 with ``flash_attention``, and what the core keeps is q, k, v, its output and the ``O(s)`` log-sum-exp (not
 counted). The ring's output is the output projection's input (one tensor); Ulysses' kernel output is
 head-sharded and the projection's input is the sequence-sharded tensor the second all-to-all returns, so Ulysses
-keeps one more ``e · sbh/t`` per layer (measured: lslm's Ulysses GPT at cp = 4). What ``cp`` does not divide:
+keeps one more ``e · sbh/t`` per layer (measured: lslm's Ulysses GPT at cp = 1, 2, 4; ``cp_method="ulysses"``
+counts it at any ``cp``, since it names the attention core). What ``cp`` does not divide:
 the model states (:mod:`lslm.plan.states`: parameters are replicated over ``cp``; ZeRO shards over ``dp · cp``)
 and the ring's key/value blocks in flight (:mod:`lslm.plan.memory`).
 Checked: lslm's context-parallel GPT (ring and Ulysses) at cp = 1, 2, 4, measured with
@@ -84,7 +85,7 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute: str | No
     # Without re-gathering, the two column-parallel layers keep their gathered input: e·sbh each, not split.
     kept_whole = 2 * e * s * b * h * (1 - 1 / t) if sp and not layout.regather else 0.0
     # Ulysses: the kernel keeps its head-sharded output and the projection its sequence-sharded input, two tensors
-    kept_whole += e * s * b * h / t if layout.cp > 1 and layout.cp_method == "ulysses" else 0.0
+    kept_whole += e * s * b * h / t if layout.cp_method == "ulysses" else 0.0  # (lslm's Ulysses core, any cp)
     if model.arch == "gpt" and model.ffn == 4 * h and model.kv_heads == a and m:
         total = korthikanti_layer_bytes(s, b, h, a, t, sp, act_bytes=e, mask_bytes=m)
         return total - (1 - attention_core) * a * s * s * b * (2 * e + m) / t + kept_whole

@@ -18,7 +18,8 @@ lslm's for its GPT; False keeps the gathered input), ``bucket_mb`` (data-paralle
 many messages a step sends), ``optimizer`` (``"adamw"`` or ``"sgd-momentum"``: the bytes its step streams per
 element, :data:`lslm.plan.hardware.OPTIMIZER_BYTES`; the optimizer states' memory is Adam's either way),
 ``cp_method`` (with ``cp > 1``: ``"ring"``, ring attention on the zig-zag layout, or ``"ulysses"``,
-DeepSpeed-Ulysses' all-to-all; :mod:`lslm.context_parallel` implements both).
+DeepSpeed-Ulysses' all-to-all; :mod:`lslm.context_parallel` implements both; it names the attention core, so
+``"ulysses"`` at ``cp = 1`` is that core on one device).
 
 Context parallelism splits the sequence: every device of a ``cp`` group holds ``s/cp`` tokens of each sequence and
 the whole model (parameters are replicated over ``cp``; gradients are reduced over ``dp · cp``).
