@@ -15,4 +15,7 @@ keep the library below them.
 * ``pipeline_demo`` - schedules on processes, torch pipelining side by side (06);
 * ``precision_demo``, ``precision_costs``, ``precision_ranks`` - mixed precision, its costs, its agreement across
   ranks (07).
+* ``cp_attention`` - ring attention, zig-zag and Ulysses against full attention at several cp in one launch (10);
+* ``moe_training`` - an expert-parallel MoE layer against serial, load balance over training (10);
+* ``onebit_demo`` - 1-bit Adam against Adam and without error feedback; writes ``bench/results/onebit_adam`` (10).
 """
