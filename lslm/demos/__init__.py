@@ -14,7 +14,10 @@ keep the library below them.
 * ``dtensor_compare`` - serial, lslm and DTensor tensor parallelism on one tiny GPT (05);
 * ``pipeline_demo`` - schedules on processes, torch pipelining side by side (06);
 * ``precision_demo``, ``precision_costs``, ``precision_ranks`` - mixed precision, its costs, its agreement across
-  ranks (07).
+  ranks (07);
 * ``pld`` - progressive layer dropping against the baseline: time per step, tokens and seconds to a target
   loss (10; ``python -m lslm.demos.pld --out bench/results/pld``).
+* ``cp_attention`` - ring attention, zig-zag and Ulysses against full attention at several cp in one launch (10);
+* ``moe_training`` - an expert-parallel MoE layer against serial, load balance over training (10);
+* ``onebit_demo`` - 1-bit Adam against Adam and without error feedback; writes ``bench/results/onebit_adam`` (10).
 """

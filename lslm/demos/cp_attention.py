@@ -1,0 +1,158 @@
+"""Launch target of notebook 10: ring attention, zig-zag and Ulysses against full attention, at several cp in one job.
+
+``lslm.launch("lslm.demos.cp_attention:suite", nproc=4, cp_sizes=[2, 4])`` runs, for each ``cp`` of
+``cp_sizes`` (each dividing the world; the rest of the world is ``dp``, the cp groups side by side):
+
+* :func:`attention_rows`: every (method, layout, causal) on random ``q, k, v`` against full single-process
+  attention (``F.scaled_dot_product_attention`` on the whole sequence, on every rank): max |Δ| of the output
+  and of ``dq``, ``dk``, ``dv``, and the bytes this rank's ledger recorded forward and backward, next to
+  :func:`~lslm.context_parallel.cp_traffic`;
+* :func:`training_row`: lslm's GPT trained a few SGD steps context-parallel (``dp × cp``) against the serial
+  GPT on the whole batch: the largest loss and parameter differences;
+* :func:`activation_bytes`: what autograd keeps for backward on this rank for one forward of the
+  context-parallel GPT (``cp = 1`` included, as the baseline).
+
+Every rank returns its own numbers; the notebook takes the worst over ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lslm.context_parallel import (
+    CPGroup,
+    CPPlan,
+    apply_context_parallel,
+    context_parallel_loss,
+    cp_traffic,
+    local_positions,
+    reduce_context_parallel_grads,
+    ring_attention,
+    shard_batch,
+    ulysses_attention,
+)
+from lslm.metrics import ActivationMemory
+from lslm.models.gpt import GPT, GPTConfig
+from lslm.runtime.context import ParallelContext
+from lslm.runtime.startup import init_distributed
+
+__all__ = ["CORES", "PLANS", "activation_bytes", "attention_rows", "suite", "training_row"]
+
+CORES = {"ring": ring_attention, "ulysses": ulysses_attention}
+PLANS = (("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "contiguous"), ("ulysses", "zigzag"))
+
+
+def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def attention_rows(ctx: ParallelContext, batch: int = 2, n_head: int = 4, seq_len: int = 16,
+                   head_dim: int = 8) -> list[dict[str, Any]]:
+    """Each core, layout and mask on this rank's rows vs full attention: output, gradients, ledger bytes."""
+    g, dev = CPGroup.of(ctx), ctx.device
+    gen = torch.Generator().manual_seed(0)  # the same numbers on every rank and device
+    q, k, v, dout = (torch.randn(batch, n_head, seq_len, head_dim,  # lslm: cpu-ok (seeded host draw, moved)
+                                 generator=gen).to(dev) for _ in range(4))
+    formula = cp_traffic(batch, n_head, seq_len, head_dim, g.size)
+    rows = []
+    for method, layout in PLANS:
+        for causal in (True, False):
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = F.scaled_dot_product_attention(*full, is_causal=causal)
+            ref.backward(dout)
+            pos = local_positions(seq_len, g.size, g.index, layout, device=dev)
+            mine = [t.index_select(2, pos).requires_grad_() for t in (q, k, v)]
+            records = ctx.comm.ledger.records
+            start = len(records)
+            out = CORES[method](*mine, g, causal=causal, layout=layout)
+            mid = len(records)
+            out.backward(dout.index_select(2, pos))
+            op = "send" if method == "ring" else "all_to_all"
+            want = ("ring_forward", "ring_backward") if method == "ring" else ("ulysses_forward_ledger",
+                                                                                "ulysses_backward_ledger")
+            rows.append({
+                "method": method, "layout": layout, "causal": causal, "cp": g.size,
+                "out": _maxdiff(out, ref.index_select(2, pos)),
+                **{f"d{n}": _maxdiff(m.grad, f.grad.index_select(2, pos)) for n, m, f in zip("qkv", mine, full)},
+                "forward_bytes": sum(r.nbytes for r in records[start:mid] if r.op == op),
+                "backward_bytes": sum(r.nbytes for r in records[mid:] if r.op == op),
+                "formula_forward": formula[want[0]], "formula_backward": formula[want[1]],
+            })
+    return rows
+
+
+def _batch(cfg: GPTConfig, batch: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    idx = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen)  # lslm: cpu-ok (seeded host draw)
+    targets = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen)  # lslm: cpu-ok (same)
+    targets[targets % 7 == 0] = -100  # ranks count different numbers of tokens: the loss must use the global count
+    return idx.to(device), targets.to(device)
+
+
+def training_row(ctx: ParallelContext, plan: CPPlan, steps: int = 3, seq_len: int = 32) -> dict[str, Any]:
+    """The GPT trained ``steps`` SGD steps under ``dp × cp`` vs serially on the whole batch."""
+    cfg = GPTConfig.tiny(block_size=seq_len)
+    idx, targets = _batch(cfg, 2 * ctx.dp_size, seq_len, ctx.device)
+    torch.manual_seed(0)
+    serial = GPT(cfg).to(ctx.device)
+    model = apply_context_parallel(copy.deepcopy(serial), ctx, plan)
+    opt_s, opt = torch.optim.SGD(serial.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)
+    rows = slice(2 * ctx.dp_rank, 2 * ctx.dp_rank + 2)
+    idx_l, tgt_l = shard_batch(ctx, plan.layout, idx[rows], targets[rows])
+    losses, serial_losses = [], []
+    for _ in range(steps):
+        opt_s.zero_grad()
+        _, loss = serial(idx, targets)
+        loss.backward()
+        opt_s.step()
+        serial_losses.append(loss.item())
+        opt.zero_grad()
+        logits, _ = model(idx_l)
+        loss, reported = context_parallel_loss(logits, tgt_l, ctx)
+        loss.backward()
+        reduce_context_parallel_grads(model, ctx)
+        opt.step()
+        losses.append(reported.item())
+    ps, pm = serial.state_dict(), model.state_dict()
+    return {"method": plan.method, "layout": plan.layout, "dp": ctx.dp_size, "cp": ctx.cp_size,
+            "losses": losses, "serial_losses": serial_losses,
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, serial_losses)),
+            "param_diff": max(_maxdiff(ps[name], pm[name]) for name in ps)}
+
+
+def activation_bytes(ctx: ParallelContext, plan: CPPlan, seq_len: int = 64, batch: int = 2) -> int:
+    """Bytes autograd keeps on this rank for one forward (and loss) of the context-parallel GPT."""
+    cfg = GPTConfig.tiny(block_size=seq_len)
+    idx, targets = _batch(cfg, batch, seq_len, ctx.device)
+    torch.manual_seed(0)
+    model = apply_context_parallel(GPT(cfg).to(ctx.device), ctx, plan)
+    idx_l, tgt_l = shard_batch(ctx, plan.layout, idx, targets)
+    with ActivationMemory(model) as act:
+        logits, _ = model(idx_l)
+        loss, _ = context_parallel_loss(logits, tgt_l, ctx)
+    loss.backward()
+    return act.bytes
+
+
+def suite(cp_sizes: tuple[int, ...] | list[int] = (2, 4), memory_seq_len: int = 64) -> dict[str, Any]:
+    """Every check at each cp of ``cp_sizes`` (the world split as ``dp = world / cp``); activations also at cp = 1."""
+    with init_distributed() as ctx:
+        world = ctx.world_size
+        bad = [cp for cp in cp_sizes if world % cp]
+        if bad:
+            raise ValueError(f"cp = {bad} does not divide the {world} processes launched")
+        out: dict[str, Any] = {"rank": ctx.rank, "attention": [], "training": [], "activations": {}}
+        for cp in sorted({1, *cp_sizes}):
+            sub = ctx.with_grid(dp=world // cp, cp=cp)
+            out["activations"][str(cp)] = {m: activation_bytes(sub, CPPlan(m, "zigzag"), memory_seq_len)
+                                           for m in CORES}
+            if cp == 1:
+                continue
+            out["attention"] += attention_rows(sub)
+            out["training"] += [training_row(sub, CPPlan("ring", "zigzag")),
+                                training_row(sub, CPPlan("ulysses", "contiguous"))]
+        return out
