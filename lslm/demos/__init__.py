@@ -14,7 +14,10 @@ keep the library below them.
 * ``dtensor_compare`` - serial, lslm and DTensor tensor parallelism on one tiny GPT (05);
 * ``pipeline_demo`` - schedules on processes, torch pipelining side by side (06);
 * ``precision_demo``, ``precision_costs``, ``precision_ranks`` - mixed precision, its costs, its agreement across
-  ranks (07).
+  ranks (07);
+* ``three_d_demo``, ``three_d_torch`` - the 3D run against the serial one, and the same GPT with torch's DTensor,
+  pipelining and FSDP2 on the same mesh, in one launch (09); ``recompute_check`` - activation recomputation's
+  bytes and flops against Korthikanti et al. §5 (09);
 * ``pld`` - progressive layer dropping against the baseline: time per step, tokens and seconds to a target
   loss (10; ``python -m lslm.demos.pld --out bench/results/pld``).
 """
