@@ -1,8 +1,15 @@
 """3D parallelism (lslm.three_d): TP (+SP) inside pipeline stages, DP or ZeRO-1 across, against one process.
 
-One launch of 8 gloo processes runs every case in sequence (tests/three_d_workers.py): each
-trains a tiny GPT for 3 AdamW steps with a clip that bites, on its grid, and is compared with
-the serial run: losses, the global gradient norm each step, and every parameter shard.
+One launch of 8 gloo processes runs every 8-rank check in sequence (tests/three_d_workers.py), so
+the processes start once (on 2 cores, starting 8 ranks costs about as much as a case's training):
+
+* lslm's cases: each trains a tiny GPT for 3 AdamW steps with a clip that bites, on its grid, and
+  is compared with the serial run: losses, the global gradient norm each step, every parameter shard;
+* the same GPT with torch's own pieces (DTensor TP + ``torch.distributed.pipelining`` + FSDP2 on
+  ``ctx.mesh``, :mod:`lslm.demos.three_d_torch`) against its serial run;
+* the 3D recipe (:mod:`lslm.recipes.three_d`) at dp = tp = pp = 2 against the serial baseline
+  recipe, with the stage-to-stage bytes of its schedule (its command line is run by
+  tests/test_readme_commands.py, its settings checks by tests/test_recipe_three_d.py).
 """
 
 from __future__ import annotations
@@ -12,10 +19,13 @@ from typing import Any
 import pytest
 
 from lslm.pipeline.apply import PipelinePlan
+from lslm.recipes.train import TrainConfig, train
 from lslm.runtime.grid import AXES, RankGrid
 from lslm.runtime.layout import format_layout, rank_layout
 from lslm.three_d import ThreeDPlan, check_3d
 from tests.helpers import run_workers
+
+pytestmark = pytest.mark.usefixtures("lslm_cache")  # conftest.py: the recipe's corpus in a per-session cache
 
 #: fp32, 3 steps of AdamW (lr 1e-3) against one process. Measured over these cases: |Δloss| <= 4.8e-7 (the
 #: losses' last bits: micro-batch means summed in another order), |Δparam| <= 2.3e-6 (Adam's near-sign first
@@ -46,10 +56,39 @@ def _name(case: dict[str, Any]) -> str:
             + "".join(f"-{f}" for f in flags))
 
 
+#: torch's composition at dp = tp = pp = 2 (FSDP2 over dp): 1F1B, interleaved 1F1B, and 1F1B with sequence
+#: parallelism.
+TORCH_CASES: list[dict[str, Any]] = [
+    {"dp": 2, "tp": 2, "pp": 2, "schedule": "1f1b"},
+    {"dp": 2, "tp": 2, "pp": 2, "schedule": "interleaved"},
+    {"dp": 2, "tp": 2, "pp": 2, "schedule": "1f1b", "sp": True},
+]
+
+#: The recipe: fp32, ``rel=1e-5`` per step on the loss, as for the DDP, TP and pipeline recipes (the same numbers
+#: added in another order: micro-batch means, tp partial sums, the dp average). Measured: 7.0e-8 relative at most
+#: over both runs; a dropped micro-batch or a missing reduction moves the loss by far more.
+RECIPE_RTOL = 1e-5
+RECIPE_STEPS, L, C, T, B = 3, 4, 32, 32, 8
+SMALL = dict(n_layer=L, n_head=2, n_embd=C, vocab_size=1024, block_size=T, batch_size=B, steps=RECIPE_STEPS,
+             log_every=100)
+GRID = dict(dp=2, tp=2, pp=2)
+#: ZeRO-1 with sequence parallelism under 1F1B, and interleaved 1F1B with SP (activations cross as sequence shards);
+#: each with a recomputation mode too (which must change no loss).
+RECIPE_RUNS = ({"schedule": "1f1b", "microbatches": 2, "zero": 1, "sequence_parallel": True, "recompute": "selective"},
+               {"schedule": "interleaved", "microbatches": 2, "sequence_parallel": True, "recompute": "full"})
+
+
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
-    """Every rank's per-case results of one 8-process launch."""
-    return run_workers("tests.three_d_workers:suite", 8, timeout=300, cases=CASES)
+def baseline() -> list[float]:
+    """The serial recipe's losses (run before the launch: it fills the corpus cache the 8 ranks then read)."""
+    return train(TrainConfig(**SMALL))["losses"]
+
+
+@pytest.fixture(scope="module")
+def results(baseline: list[float]) -> list[dict[str, Any]]:
+    """Every rank's results of the one 8-process launch (lslm's cases, torch's, the recipe's runs)."""
+    return run_workers("tests.three_d_workers:suite", 8, timeout=300, cases=CASES, torch_native=TORCH_CASES,
+                       recipe_runs=list(RECIPE_RUNS), recipe_common={**SMALL, **GRID})
 
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[_name(c) for c in CASES])
@@ -128,23 +167,49 @@ def test_check_3d_names_sizes_that_do_not_divide() -> None:
         check_3d(plan, tp=2, pp=2, dp=2, n_layer=4, n_head=2, n_embd=32, block_size=16, batch_size=7, vocab_size=96)
 
 
-#: The torch-native run's variants (tests/three_d_torch_workers.py), all with FSDP2 over dp.
-TORCH_VARIANTS = ("tp_pp_fsdp", "tp_pp_fsdp_interleaved", "tp_pp_fsdp_sp")
-
-
-def test_torch_native_3d_equals_the_serial_run() -> None:
+def test_torch_native_3d_equals_the_serial_run(results: list[dict[str, Any]]) -> None:
     """DTensor TP on ``ctx.mesh["tp"]`` + ``torch.distributed.pipelining`` (1F1B, interleaved) over pp + FSDP2's
     ``fully_shard`` over ``ctx.mesh["dp"]``, at dp = tp = pp = 2 on CPU: 3 AdamW steps equal the serial run.
 
-    Measured: losses equal to the last printed digit (|Δloss| = 0.0 here), parameters within 1.6e-6. Where it
-    stops is lslm's side, not torch's: the DTensor reference and ``TorchPipeline`` refuse tied embeddings, and
-    without FSDP the replicas' DTensor gradients would need a DTensor-aware dp average (lslm's flat one
-    concatenates plain tensors), so the plain-dp variant runs only at dp = 1.
+    Measured: |Δloss| = 0.0, parameters within 1.6e-6 (the tolerances above). Where it stops is lslm's side,
+    not torch's: the DTensor reference and ``TorchPipeline`` refuse tied embeddings (checked here: the
+    messages come back from the ranks), and without FSDP the replicas' DTensor gradients would need a
+    DTensor-aware dp average (lslm's flat one concatenates plain tensors), so plain dp runs only at dp = 1.
     """
-    results = run_workers("tests.three_d_torch_workers:probe", 8, timeout=300, tp=2, pp=2)
     for r in results:
-        assert "tp_pp" not in r  # dp = 2 here
-        for key in TORCH_VARIANTS:
-            got = r[key]
-            assert got["ok"], (key, got)
-            assert got["dloss"] <= LOSS_ATOL and got["dparam"] <= PARAM_ATOL, (key, got)
+        torch_side = r["torch"]
+        for case, got in zip(TORCH_CASES, torch_side["cases"], strict=True):
+            assert got["fsdp"], case  # dp = 2: FSDP2 averages the replicas
+            assert len(got["losses"]) == len(got["ref_losses"]) == 3
+            assert got["dloss"] <= LOSS_ATOL and got["dparam"] <= PARAM_ATOL, (case, got)
+            assert got["dparam_all"] == max(x["torch"]["cases"][TORCH_CASES.index(case)]["dparam"]
+                                            for x in results)
+        refusals = torch_side["tied_refusals"]
+        assert "tie_weights=False" in refusals["parallelize_gpt"] and "tie_weights=False" in refusals["TorchPipeline"]
+
+
+def _stage_to_rank(p: int, v: int) -> list[int]:
+    return [s % p for s in range(p * v)]
+
+
+def test_the_3d_recipe_reproduces_the_serial_run(results: list[dict[str, Any]], baseline: list[float]) -> None:
+    """lslm.recipes.three_d at dp = tp = pp = 2: the losses are the serial baseline recipe's and the
+    stage-to-stage bytes are exactly the schedule's (one micro-batch's activation and its gradient per crossing)."""
+    for i, run in enumerate(RECIPE_RUNS):
+        records = [r["recipe"][i] for r in sorted(results, key=lambda r: r["rank"])]
+        assert records[0]["losses"] == pytest.approx(baseline, rel=RECIPE_RTOL), run
+        print(run, "max relative loss difference", max(abs(a - b) / b for a, b in zip(records[0]["losses"],
+                                                                                    baseline)))
+        m, v = run["microbatches"], records[0]["virtual_stages"]
+        s2r = _stage_to_rank(2, v)
+        shards = GRID["tp"] if run.get("sequence_parallel") else 1
+        msg = (B // GRID["dp"] // m) * T * C * 4 // shards  # one micro-batch's activation (or its gradient), fp32
+        for r in records:
+            assert r["losses"] == records[0]["losses"]
+            assert (r["dp_size"], r["tp_size"], r["pp_size"]) == (2, 2, 2)
+            assert r["recompute"] == run["recompute"]
+            pp_rank = r["coords"]["pp"]
+            assert r["stages"] == [s for s, rank in enumerate(s2r) if rank == pp_rank]
+            crossings = sum((s > 0 and s2r[s - 1] != pp_rank) + (s < len(s2r) - 1 and s2r[s + 1] != pp_rank)
+                            for s in r["stages"])
+            assert r["pp_comm_bytes"] == [2 * m * crossings * msg] * RECIPE_STEPS, run

@@ -12,12 +12,19 @@ keep the library below them.
   streams, a Hugging Face GPT-2 made tensor-parallel (05);
 * ``activation_check`` - one layer's saved activations measured next to Korthikanti et al.'s table (05);
 * ``dtensor_compare`` - serial, lslm and DTensor tensor parallelism on one tiny GPT (05);
+* ``hf_llama_gqa`` - a Hugging Face Llama with grouped-query attention, tensor-parallel over more ranks than it
+  has key/value heads (05); ``tp_time_model`` - a tensor-parallel step's time model against the measurement (05);
 * ``pipeline_demo`` - schedules on processes, torch pipelining side by side (06);
-* ``precision_demo``, ``precision_costs``, ``precision_ranks`` - mixed precision, its costs, its agreement across
-  ranks (07);
-* ``pld`` - progressive layer dropping against the baseline: time per step, tokens and seconds to a target
-  loss (10; ``python -m lslm.demos.pld --out bench/results/pld``).
+* ``precision_demo``, ``precision_costs``, ``precision_ranks``, ``precision_fp8`` - mixed precision, its costs,
+  its agreement across ranks, fp8's errors per scaling scheme (07);
+* ``zero_demo``, ``deepspeed_side_by_side`` - ZeRO's stages on processes, and lslm's stage 3 next to FSDP2 and
+  DeepSpeed (08);
+* ``three_d_demo``, ``three_d_torch`` - the 3D run against the serial one, and the same GPT with torch's DTensor,
+  pipelining and FSDP2 on the same mesh, in one launch (09); ``recompute_check`` - activation recomputation's
+  bytes and flops against Korthikanti et al. §5 (09);
 * ``cp_attention`` - ring attention, zig-zag and Ulysses against full attention at several cp in one launch (10);
 * ``moe_training`` - an expert-parallel MoE layer against serial, load balance over training (10);
-* ``onebit_demo`` - 1-bit Adam against Adam and without error feedback; writes ``bench/results/onebit_adam`` (10).
+* ``onebit_demo`` - 1-bit Adam against Adam and without error feedback; writes ``bench/results/onebit_adam`` (10);
+* ``pld`` - progressive layer dropping against the baseline: time per step, tokens and seconds to a target
+  loss (10; ``python -m lslm.demos.pld --out bench/results/pld``).
 """

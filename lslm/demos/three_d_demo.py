@@ -8,6 +8,9 @@ builds the GPT on the meta device, :func:`lslm.three_d.apply_3d` over the case's
 buffers, or ZeRO-1), and reports its losses next to the serial run's, the largest parameter
 difference (this rank's shards against the serial weights cut by ``apply_tensor_parallel`` on the
 same tp rank, and the maximum over all ranks) and the bytes this rank sent per ledger axis.
+With ``torch_native=[...]``, the same processes then train the same GPT on the same batches with
+torch's own composition (DTensor TP, ``torch.distributed.pipelining``, FSDP2 on ``ctx.mesh``:
+:mod:`lslm.demos.three_d_torch`), so the side-by-side costs no second start-up.
 tests/three_d_workers.py runs the same code for tests/test_three_d.py.
 """
 
@@ -21,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lslm.data_parallel.grad_sync import attach_grad_buffers
+from lslm.demos.three_d_torch import serial_run, tied_refusals, torch_case
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.pipeline.apply import PipelinePlan
 from lslm.recipes.train import TrainConfig, adamw, prepare_training
@@ -31,7 +35,7 @@ from lslm.three_d import ThreeDPlan, apply_3d
 from lslm.zero import ZeroOptimizer
 
 __all__ = ["CLIP", "OPTIM", "ROWS", "SEED", "STEPS", "T", "VOCAB", "batches", "config", "reference_shards",
-           "run_case", "serial", "suite"]
+           "run_case", "run_suite", "serial", "suite", "torch_cases"]
 
 SEED, ROWS, T, VOCAB, STEPS = 1234, 8, 16, 96, 3
 #: A clip low enough that every step clips (the norm of these gradients is ~1-3), so a wrong norm shows.
@@ -163,9 +167,29 @@ def run_case(ctx: ParallelContext, case: dict[str, Any], refs: dict[bool, tuple[
             "s": time.perf_counter() - t0}
 
 
-def suite(cases: list[dict[str, Any]], steps: int = STEPS, **_: Any) -> dict[str, Any]:
-    """Launch target: every case of ``cases`` on this rank (a world of any size; each case picks its grid)."""
-    ctx = init_distributed()
+def torch_cases(ctx: ParallelContext, cases: list[dict[str, Any]], steps: int = STEPS) -> dict[str, Any]:
+    """The same GPT and batches through torch's own 3D composition (:mod:`lslm.demos.three_d_torch`), one result
+    per case of ``cases``, against its serial run (untied, no clip: that module's doc says why); and the messages
+    with which torch's side refuses a tied embedding."""
+    cfg, data = config(False), batches(steps)
+    opts = dict(seed=SEED, lr=OPTIM.lr, weight_decay=OPTIM.weight_decay)
+    ref = serial_run(cfg, data, **opts)
+    return {"cases": [torch_case(ctx, case, cfg, data, ref, **opts) for case in cases],
+            "tied_refusals": tied_refusals(cfg, ctx)}
+
+
+def suite(cases: list[dict[str, Any]], steps: int = STEPS, torch_native: list[dict[str, Any]] | None = None,
+          **_: Any) -> dict[str, Any]:
+    """Launch target: every case of ``cases`` on this rank (a world of any size; each case picks its grid), then,
+    in the same processes, every case of ``torch_native`` with torch's pieces (:func:`torch_cases`)."""
+    return run_suite(init_distributed(), cases, steps, torch_native)
+
+
+def run_suite(ctx: ParallelContext, cases: list[dict[str, Any]], steps: int = STEPS,
+              torch_native: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """:func:`suite` in a process group that is already up (``ctx``): ``{"rank", "cases"[, "torch"]}``."""
     refs = {tied: serial(tied, steps) for tied in sorted({c.get("tied", False) for c in cases})}
-    out = [run_case(ctx, case, refs, steps) for case in cases]
-    return {"rank": ctx.rank, "cases": out}
+    out: dict[str, Any] = {"rank": ctx.rank, "cases": [run_case(ctx, case, refs, steps) for case in cases]}
+    if torch_native:
+        out["torch"] = torch_cases(ctx, torch_native, steps)
+    return out

@@ -10,7 +10,16 @@
 
 from lslm.harness.bench_runner import Timing, Variant, critical_path, gather_ranks, run_variants
 from lslm.harness.config_cli import check_fields, config_parser, option, parse_config
-from lslm.harness.entry import Recipe, entry_points, launch_recipe, recipe_main, run_many, run_or_launch, run_rank
+from lslm.harness.entry import (
+    Recipe,
+    entry_points,
+    launch_recipe,
+    recipe_main,
+    run_in_context,
+    run_many,
+    run_or_launch,
+    run_rank,
+)
 from lslm.harness.recipe import REPORT_LABEL, Built, gather_summaries, summarize, train_loop, write_run_log
 from lslm.harness.report import Report
 from lslm.harness.timer import Marks, StepTimer, timer_mode
@@ -18,6 +27,7 @@ from lslm.harness.timer import Marks, StepTimer, timer_mode
 __all__ = [
     "REPORT_LABEL", "Built", "Marks", "Recipe", "Report", "StepTimer", "Timing", "Variant",
     "check_fields", "config_parser", "critical_path", "entry_points", "gather_ranks", "gather_summaries",
-    "launch_recipe", "option", "parse_config", "recipe_main", "run_many", "run_or_launch", "run_rank", "run_variants",
+    "launch_recipe", "option", "parse_config", "recipe_main", "run_in_context", "run_many", "run_or_launch", "run_rank",
+    "run_variants",
     "summarize", "timer_mode", "train_loop", "write_run_log",
 ]

@@ -25,7 +25,8 @@ from lslm.harness.recipe import Built, gather_summaries, summarize, train_loop, 
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.startup import RankEnv, init_distributed
 
-__all__ = ["Recipe", "entry_points", "launch_recipe", "recipe_main", "run_many", "run_or_launch", "run_rank"]
+__all__ = ["Recipe", "entry_points", "launch_recipe", "recipe_main", "run_in_context", "run_many", "run_or_launch",
+           "run_rank"]
 
 
 @dataclass(frozen=True)
@@ -88,11 +89,20 @@ def run_many(recipe: Recipe, runs: Sequence[dict[str, Any]], **common: Any) -> l
     """
     cfgs = [recipe.config(**{**common, **r, "out": None}) for r in runs]
     with init_distributed(**recipe.sizes(cfgs[0]), device=_device(cfgs[0]), seed=cfgs[0].seed) as ctx:
-        records = []
-        for cfg in cfgs:
-            ctx.comm.ledger.reset()
-            records.append(train_loop(cfg, recipe.build(cfg, ctx), ctx))
-        return records
+        return run_in_context(recipe, ctx, runs, **common)
+
+
+def run_in_context(recipe: Recipe, ctx: ParallelContext, runs: Sequence[dict[str, Any]],
+                   **common: Any) -> list[dict[str, Any]]:
+    """:func:`run_many`'s runs in a process group that is already up (``ctx``), e.g. a job that runs other
+    experiments in the same processes; each run is checked for ``ctx``'s world size first. Every rank calls it."""
+    records = []
+    for r in runs:
+        cfg = recipe.config(**{**common, **r, "out": None})
+        recipe.validate(cfg, ctx.world_size)
+        ctx.comm.ledger.reset()
+        records.append(train_loop(cfg, recipe.build(cfg, ctx), ctx))
+    return records
 
 
 def launch_recipe(recipe: Recipe, nproc: int, *, runs: Sequence[dict[str, Any]] | None = None,
