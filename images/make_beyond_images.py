@@ -119,6 +119,7 @@ MAP = (
     ("expert parallel (MoE)", "10", {"P": "experts /ep", "G": "experts /ep", "OS": "experts /ep",
                                      "C": "+ 2 all-to-all\nper layer"}),
     ("1-bit Adam", "10", {"C": "~1/32 after\nwarm-up"}),
+    ("progressive layer dropping", "10", {"A": "skipped blocks\nkeep none"}),
 )
 
 
