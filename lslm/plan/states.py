@@ -1,7 +1,8 @@
 """Model-state bytes per device by owner: parameters, gradients, fp32 master weights, optimizer states.
 
 For the ``Ψ`` parameters a device holds (its pipeline stage, its tensor-parallel shard), ``N = dp · cp``
-ranks sharing them (HSDP: ``N = dp_shard · cp``, the states replicated ``dp / dp_shard`` times), Adam (two fp32 moments, 8 bytes), and bytes per element ``p`` (parameters: 4 fp32, 2
+ranks sharing them (HSDP: ``N = dp_shard · cp``, the states replicated ``dp / dp_shard`` times), Adam (two
+fp32 moments, 8 bytes), and bytes per element ``p`` (parameters: 4 fp32, 2
 bf16/fp16), ``g`` (gradients: 4 with an fp32 ``main_grad``, Megatron's and lslm's default, or ``p``), ``k``
 (fp32 master weights: 4 in bf16/fp16, 0 in fp32, where the parameters are the masters):
 
