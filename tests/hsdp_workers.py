@@ -63,8 +63,9 @@ def _hsdp_run(ctx: ParallelContext, serial: GPT, batches: list, stage: int, *, c
             "replicas": zero.replicas}
 
 
-def suite() -> dict[str, Any]:
-    """Every HSDP check on 4 ranks (2 replicas x 2 shards); rank-local numbers, each rank's."""
+def suite(recipe: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every HSDP check on 4 ranks (2 replicas x 2 shards); rank-local numbers, each rank's. ``recipe``: settings
+    of ``lslm.recipes.zero`` run with ``dp_shard=2`` at stages 1 and 3 in this process group (their records)."""
     ctx = init_distributed(dp_shard=2)
     world = ctx.world_size
     torch.manual_seed(0)
@@ -119,4 +120,14 @@ def suite() -> dict[str, Any]:
     for stage in (1, 2, 3):
         out[f"stage{stage}_params_vs_torch"] = _max_diff(models[stage], torch_full)
     dist.barrier()  # DTensor users may abort at exit without one (DESIGN §10)
+    if recipe is not None:  # the recipe's --dp-shard, in this process group (its grid is already 2 x 2)
+        from lslm.harness.recipe import train_loop
+        from lslm.recipes import zero as R
+
+        for stage in (1, 3):
+            cfg = R.ZeroConfig(**recipe, stage=stage, dp_shard=2)
+            ctx.comm.ledger.reset()
+            rec = train_loop(cfg, R.build(cfg, ctx), ctx)
+            out[f"recipe_stage{stage}"] = {k: rec[k] for k in ("losses", "dp_shard", "dp_replicate", "rs_bytes",
+                                                               "ag_bytes", "replicate_bytes", "padded_numel")}
     return out

@@ -17,6 +17,8 @@ from lslm.metrics.held import held_by_owner
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.plan import Layout, ModelSpec, estimate, hardware_presets
 from lslm.plan.states import model_states
+from lslm.recipes import zero as R
+from lslm.recipes.train import TrainConfig, train
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import RankGrid
 from lslm.runtime.layout import format_layout, rank_layout
@@ -32,9 +34,21 @@ ATOL = 1e-6
 H100 = hardware_presets()["h100-sxm"]
 
 
+#: lslm.recipes.zero's settings for its --dp-shard run (tests/test_recipe_zero.py's, 3 steps).
+RECIPE = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=1024, block_size=64, steps=3, log_every=100, batch_size=8)
+#: The recipe against the serial recipe (lslm.recipes.train): tests/test_recipe_zero.py's tolerance.
+RECIPE_RTOL = 1e-5
+
+
 @pytest.fixture(scope="module")
-def ranks() -> list[dict[str, Any]]:
-    return list(run_workers("tests.hsdp_workers:suite", 4, timeout=300))
+def baseline(lslm_cache: Any) -> list[float]:
+    """The serial recipe's losses (and a warm tokenizer / token cache for the ranks)."""
+    return train(TrainConfig(**RECIPE))["losses"]
+
+
+@pytest.fixture(scope="module")
+def ranks(baseline: list[float]) -> list[dict[str, Any]]:
+    return list(run_workers("tests.hsdp_workers:suite", 4, timeout=300, recipe=RECIPE))
 
 
 # -- the grid and its tables (pure) ------------------------------------------------------------------
@@ -155,6 +169,22 @@ def test_model_state_bytes_follow_dp_shard_as_the_calculator_says(ranks: list[di
             assert got == {k: v.value for k, v in as_dp2.items()}
             as_dp4 = model_states(psi, Layout(dp=4, zero=stage, precision="fp32"), **kw).device_bytes
             assert sum(got.values()) > as_dp4
+
+
+def test_recipe_dp_shard_reproduces_the_serial_run(ranks: list[dict[str, Any]], baseline: list[float]) -> None:
+    for stage in (1, 3):
+        recs = [r[f"recipe_stage{stage}"] for r in ranks]
+        assert all(rec["losses"] == recs[0]["losses"] for rec in recs)
+        assert recs[0]["losses"] == pytest.approx(baseline, rel=RECIPE_RTOL)
+        for rec in recs:
+            numel = rec["padded_numel"]
+            assert (rec["dp_shard"], rec["dp_replicate"]) == (2, 2)
+            assert rec["rs_bytes"] == [4 * numel] * RECIPE["steps"]
+            assert rec["replicate_bytes"] == [4 * numel // 2] * RECIPE["steps"]
+    with pytest.raises(ValueError, match=r"dp_shard=3 does not divide dp=4"):
+        R.check_config(R.ZeroConfig(dp_shard=3), 4)
+    with pytest.raises(ValueError, match="not written under HSDP"):
+        R.check_config(R.ZeroConfig(dp_shard=2, checkpoint_dir="x", save_every=1), 4)
 
 
 # -- the calculator at a larger size, against lslm in the fake process group --------------------------------
