@@ -246,3 +246,10 @@ def test_bad_hsdp_input_is_refused() -> None:
         model = GPT(GPTConfig.tiny())
         with pytest.raises(ValueError, match="pure data parallelism"):
             ZeroOptimizer(model, torch.optim.AdamW(model.parameters()), ctx, stage=1)
+
+
+def test_demo_refuses_splits_that_do_not_divide() -> None:
+    from lslm.demos.hsdp_demo import hsdp_table
+
+    with pytest.raises(ValueError, match=r"dp_shard=3 does not divide nproc=4; choose among \[1, 2, 4\]"):
+        hsdp_table(4, (4, 3))

@@ -53,9 +53,9 @@ from lslm.precision import PARAM_DTYPES
 from lslm.precision.scaler import DynamicLossScaler
 from lslm.recipes.train import TrainConfig, adamw, build_model, replica_loader
 from lslm.runtime.context import ParallelContext
+from lslm.runtime.grid import check_dp_shard
 from lslm.runtime.startup import run_then_exit
 from lslm.zero.checkpoint import latest_checkpoint, load_zero, save_zero
-from lslm.runtime.grid import check_dp_shard
 from lslm.zero.optimizer import GATHER_LABEL, REDUCE_SCATTER_LABEL, REPLICATE_LABEL, STAGES, ZeroOptimizer
 
 __all__ = ["RECIPE", "ZeroConfig", "build", "check_config", "compare", "main", "run", "worker"]
@@ -176,8 +176,9 @@ def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
             "stage": cfg.stage, "precision": cfg.precision, "owned_params": layout.param_numel,
             "padded_numel": optimizer.numel, "bucket_numels": [z - a for a, z, _, _ in optimizer.buckets],
             "tokens_per_step": cfg.batch_size * cfg.block_size}
+    name = f"zero{cfg.stage}-dp{dp}" + (f"-shard{optimizer.world}" if optimizer.replicas > 1 else "")
     return Built(model=model, optimizer=optimizer, step=step, batches=batches, ctx=ctx, device=ctx.device,
-                 per_step=per_step, count=(None, None), log=log, info=info, name=f"zero{cfg.stage}-dp{dp}" + (f"-shard{optimizer.world}" if optimizer.replicas > 1 else ""),
+                 per_step=per_step, count=(None, None), log=log, info=info, name=name,
                  first_step=first)
 
 
