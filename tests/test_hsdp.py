@@ -253,3 +253,16 @@ def test_demo_refuses_splits_that_do_not_divide() -> None:
 
     with pytest.raises(ValueError, match=r"dp_shard=3 does not divide nproc=4; choose among \[1, 2, 4\]"):
         hsdp_table(4, (4, 3))
+
+
+def test_lslm_plan_takes_dp_shard(capsys: pytest.CaptureFixture[str]) -> None:
+    from lslm.cli import main
+
+    argv = ["plan", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "1000", "--seq", "128",
+            "--global-batch", "16", "--devices", "8", "--zero", "3"]
+    assert main([*argv, "--dp-shard", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "dp 8 (replicate 2 x shard 4)" in out and "all-reduce across replicas" in out
+    with pytest.raises(SystemExit):
+        main([*argv, "--dp-shard", "3"])
+    assert "dp_shard=3 does not divide dp=8" in capsys.readouterr().err
