@@ -28,7 +28,7 @@ from lslm.plan.states import model_states
 from lslm.runtime.startup import init_distributed
 from lslm.zero.optimizer import GATHER_LABEL, REDUCE_SCATTER_LABEL, REPLICATE_LABEL, ZeroOptimizer
 
-__all__ = ["MODEL", "ROWS", "hsdp_table", "worker"]
+__all__ = ["MODEL", "ROWS", "format_hsdp_table", "hsdp_table", "worker"]
 
 #: The serial recipe's GPT (1024-token vocabulary, 64-token blocks, 2 blocks of width 64).
 MODEL = dict(vocab_size=1024, block_size=64, n_layer=2, n_head=4, n_embd=64)
@@ -120,3 +120,20 @@ def hsdp_table(nproc: int = 4, dp_shards: tuple[int, ...] | None = None, *, stag
             "plan replicas": sum(c.wire_bytes for c in comm if c.axis == "dp_replicate"),
             "DDP sends": 2 * (nproc - 1) / nproc * 4 * psi, "loss": row["losses"][-1]})
     return table
+
+
+def format_hsdp_table(rows: list[dict[str, Any]]) -> str:
+    """:func:`hsdp_table`'s rows as fixed-width text (bytes as integers, bytes/param with one decimal)."""
+    def cell(v: Any) -> str:
+        if isinstance(v, list):
+            return "{" + ", ".join(map(str, v)) + "}"
+        if isinstance(v, float):
+            return f"{v:.4f}" if v < 100 and v != int(v) else f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
+        return str(v)
+
+    columns = list(rows[0])
+    cells = [[cell(row[c]) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
