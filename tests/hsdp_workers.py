@@ -65,7 +65,7 @@ def _hsdp_run(ctx: ParallelContext, serial: GPT, batches: list, stage: int, *, c
 
 def suite(recipe: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every HSDP check on 4 ranks (2 replicas x 2 shards); rank-local numbers, each rank's. ``recipe``: settings
-    of ``lslm.recipes.zero`` run with ``dp_shard=2`` at stages 1 and 3 in this process group (their records)."""
+    of ``lslm.recipes.zero`` run with ``dp_shard=2`` at stage 3 in this process group (its record)."""
     ctx = init_distributed(dp_shard=2)
     world = ctx.world_size
     torch.manual_seed(0)
@@ -124,7 +124,7 @@ def suite(recipe: dict[str, Any] | None = None) -> dict[str, Any]:
         from lslm.harness.recipe import train_loop
         from lslm.recipes import zero as R
 
-        for stage in (1, 3):
+        for stage in (3,):  # the other stages' HSDP arithmetic is checked above; this is the recipe's wiring
             cfg = R.ZeroConfig(**recipe, stage=stage, dp_shard=2)
             ctx.comm.ledger.reset()
             rec = train_loop(cfg, R.build(cfg, ctx), ctx)

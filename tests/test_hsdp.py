@@ -172,7 +172,7 @@ def test_model_state_bytes_follow_dp_shard_as_the_calculator_says(ranks: list[di
 
 
 def test_recipe_dp_shard_reproduces_the_serial_run(ranks: list[dict[str, Any]], baseline: list[float]) -> None:
-    for stage in (1, 3):
+    for stage in (3,):
         recs = [r[f"recipe_stage{stage}"] for r in ranks]
         assert all(rec["losses"] == recs[0]["losses"] for rec in recs)
         assert recs[0]["losses"] == pytest.approx(baseline, rel=RECIPE_RTOL)
