@@ -127,6 +127,8 @@ def format_hsdp_table(rows: list[dict[str, Any]]) -> str:
     def cell(v: Any) -> str:
         if isinstance(v, list):
             return "{" + ", ".join(map(str, v)) + "}"
+        if isinstance(v, float) and v == 0:
+            return "0"
         if isinstance(v, float):
             return f"{v:.4f}" if v < 100 and v != int(v) else f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
         return str(v)
