@@ -3,10 +3,10 @@
 A preset model (``--model gpt3-175b``) or one described by flags (``--layers --hidden --heads ...``), a
 hardware preset with its numbers overridden (``--peak-tflops``, ``--efficiency``, ``--hbm-gb``,
 ``--devices-per-node``, ``--intra-gbps``/``--inter-gbps``, ``--intra-alpha-us``/``--inter-alpha-us``), and a layout
-(``--dp --tp --pp --v --cp --cp-method --zero --sp --recompute --precision``; ``--search-cp 1 2 4 8`` lets the
-search choose context parallelism). ``--validate`` prints the time model against the committed bench step times
-instead (:mod:`lslm.plan.validate`). Bad input is refused through ``parser.error`` with
-the calculator's own message (what to change).
+(``--dp --dp-shard --tp --pp --v --cp --cp-method --zero --sp --recompute --precision``; ``--search-cp 1 2 4 8``
+lets the search choose context parallelism). ``--validate`` prints the time model against the committed bench step
+times instead (:mod:`lslm.plan.validate`). Bad input is refused through ``parser.error`` with the calculator's own
+message (what to change).
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         lay.add_argument(flag, type=int, default=None if flag == "--dp" else 1, help=f"{flag[2:]} size")
     lay.add_argument("--cp-method", choices=CP_METHODS, default="ring",
                      help="with --cp > 1: ring attention (zig-zag) or Ulysses all-to-all (default ring)")
+    lay.add_argument("--dp-shard", type=int, default=None,
+                     help="HSDP: shard the ZeRO states over this many of the dp ranks, replicate over the rest "
+                          "(default: all of dp)")
     lay.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0, help="ZeRO stage (default 0)")
     lay.add_argument("--offload", choices=OFFLOADS, default="none", help="optimizer offload (ZeRO-Offload)")
     lay.add_argument("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
@@ -154,9 +157,9 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if ns.dp is None and ns.devices is not None and ns.devices % world_rest:
             parser.error(f"--devices {ns.devices} is not a multiple of tp x pp x cp = {world_rest}: no whole dp fits")
         dp = ns.dp if ns.dp is not None else (ns.devices // world_rest if ns.devices else 1)
-        layout = Layout(dp=dp, tp=ns.tp, pp=ns.pp, v=ns.v, cp=ns.cp, cp_method=ns.cp_method, zero=ns.zero,
-                        offload=ns.offload, sequence_parallel=ns.sp, recompute=ns.recompute, precision=ns.precision,
-                        flash_attention=ns.flash, regather=not ns.no_regather)
+        layout = Layout(dp=dp, dp_shard=ns.dp_shard, tp=ns.tp, pp=ns.pp, v=ns.v, cp=ns.cp, cp_method=ns.cp_method,
+                        zero=ns.zero, offload=ns.offload, sequence_parallel=ns.sp, recompute=ns.recompute,
+                        precision=ns.precision, flash_attention=ns.flash, regather=not ns.no_regather)
         print(estimate(model, layout, hw, ns.devices).format())
         return 0
     except ValueError as exc:

@@ -17,6 +17,10 @@ read at ``S`` (:attr:`lslm.plan.hardware.Link.measured`: the ``cpu-box`` preset'
   micro-batch** (``3Ψ`` per micro-batch; the parameters outside the
   layers, embedding and head, are gathered once per micro-batch and kept until its backward, as lslm does:
   ``2Ψ_root``). Messages are buckets of ``bucket_mb`` (stage 3: one per layer).
+* **HSDP** (``dp_shard < dp``): the collectives above run in the shard group (``dp_shard · cp`` ranks,
+  collectives labelled axis ``"dp_shard"``, their link the span of that group), and once per step each rank's
+  gradient slices are all-reduced across the ``dp / dp_shard`` replicas (axis ``"dp_replicate"``, one call per
+  bucket, ``g·Ψ / N`` in all: ``1/dp_shard`` of DDP's all-reduce), on the link spanning the whole dp group.
 * **tp** (``t`` ranks; Shoeybi et al. 2019 §3, Korthikanti et al. 2022 §4.2.2), per layer and micro-batch,
   ``A = e · s b h``: without sequence parallelism two all-reduces of ``A`` in the forward and two in the
   backward; with it, each becomes an all-gather and a reduce-scatter, plus two all-gathers in the backward that
@@ -49,6 +53,7 @@ read at ``S`` (:attr:`lslm.plan.hardware.Link.measured`: the ``cpu-box`` preset'
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -138,7 +143,7 @@ def _calls(total_bytes: float, bucket_bytes: float) -> tuple[float, float]:
 
 
 def _dp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> AxisComm:
-    n = layout.dp * layout.cp
+    n = layout.dp_shard_size * layout.cp
     link = hw.link(n * layout.tp)
     width = bytes_per_element(layout)
     layer_part, root = stage_split(model, layout, stage)
@@ -173,7 +178,20 @@ def _dp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
                                "Ψ_root per micro-batch (kept from its forward to its backward)"),
                     Collective("dp", "root gradient reduce-scatter", "reduce_scatter_ring", width["gradients"] * root,
                                n, m, link, "Ψ_root per micro-batch")]
-    return AxisComm("dp", n, link, tuple(out))
+    if layout.dp_replicate > 1:  # HSDP: the above inside the shard group, then the slices across replicas
+        out = [dataclasses.replace(c, axis="dp_shard") for c in out]
+        if layout.zero == 3:  # one bucket per layer, and the root
+            per_layer = layer_part // (model.n_layer // layout.pp)
+            calls = [(width["gradients"] * per_layer / n, float(model.n_layer // layout.pp))]
+            calls += [(width["gradients"] * root / n, 1.0)] if root else []
+        else:
+            c, s = _calls(g, bucket)
+            calls = [(s / n, c)]
+        across = hw.link(layout.dp * layout.cp * layout.tp)
+        out += [Collective("dp_replicate", "gradient slice all-reduce across replicas", "all_reduce_ring", size,
+                           layout.dp_replicate, count, across, "g·Ψ / N once per step: the slice, summed over the "
+                           "shard group, then over the replicas") for size, count in calls]
+    return AxisComm("dp", layout.dp * layout.cp, link, tuple(out))
 
 
 def _tp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> AxisComm:

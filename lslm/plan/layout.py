@@ -19,7 +19,9 @@ many messages a step sends), ``optimizer`` (``"adamw"`` or ``"sgd-momentum"``: t
 element, :data:`lslm.plan.hardware.OPTIMIZER_BYTES`; the optimizer states' memory is Adam's either way),
 ``cp_method`` (with ``cp > 1``: ``"ring"``, ring attention on the zig-zag layout, or ``"ulysses"``,
 DeepSpeed-Ulysses' all-to-all; :mod:`lslm.context_parallel` implements both; it names the attention core, so
-``"ulysses"`` at ``cp = 1`` is that core on one device).
+``"ulysses"`` at ``cp = 1`` is that core on one device), ``dp_shard`` (HSDP, torchtitan's
+``dp_replicate x dp_shard``: the ZeRO states shard over ``dp_shard · cp`` ranks and are replicated
+``dp / dp_shard`` times; ``None``: ``dp``, plain sharding).
 
 Context parallelism splits the sequence: every device of a ``cp`` group holds ``s/cp`` tokens of each sequence and
 the whole model (parameters are replicated over ``cp``; gradients are reduced over ``dp · cp``).
@@ -62,6 +64,7 @@ class Layout:
     bucket_mb: float = 25.0
     optimizer: str = "adamw"
     cp_method: str = "ring"
+    dp_shard: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "v", "cp"):
@@ -91,8 +94,27 @@ class Layout:
                              f"per element), got {self.optimizer!r}")
         if self.cp_method not in CP_METHODS:
             raise ValueError(f"Layout.cp_method must be one of {CP_METHODS}, got {self.cp_method!r}")
+        if self.dp_shard is not None:
+            if isinstance(self.dp_shard, bool) or not isinstance(self.dp_shard, int) or self.dp_shard < 1:
+                raise ValueError(f"Layout.dp_shard must be an int >= 1 (or None: dp), got {self.dp_shard!r}")
+            if self.dp % self.dp_shard:
+                raise ValueError(f"dp_shard={self.dp_shard} does not divide dp={self.dp}: HSDP splits dp into "
+                                 "dp_replicate x dp_shard")
+            if self.dp_shard < self.dp and self.zero == 0:
+                raise ValueError(f"dp_shard={self.dp_shard} < dp={self.dp} shards ZeRO's states over part of dp "
+                                 "(HSDP): it needs zero >= 1")
         if not self.bucket_mb > 0:
             raise ValueError(f"Layout.bucket_mb must be > 0, got {self.bucket_mb!r}")
+
+    @property
+    def dp_shard_size(self) -> int:
+        """Data-parallel ranks the model states are sharded over (``dp_shard``, default ``dp``)."""
+        return self.dp if self.dp_shard is None else self.dp_shard
+
+    @property
+    def dp_replicate(self) -> int:
+        """HSDP's replicas of the shards: ``dp / dp_shard`` (1 without HSDP)."""
+        return self.dp // self.dp_shard_size
 
     @property
     def world(self) -> int:
@@ -106,7 +128,9 @@ class Layout:
 
     def describe(self) -> str:
         """A one-line summary, e.g. ``dp 16 x tp 8 x pp 8 (v 2), ZeRO-1, SP, recompute selective, bf16``."""
-        parts = [f"dp {self.dp}", f"tp {self.tp}", f"pp {self.pp}" + (f" (v {self.v})" if self.v > 1 else "")]
+        dp = f"dp {self.dp}" + (f" (replicate {self.dp_replicate} x shard {self.dp_shard_size})"
+                                if self.dp_replicate > 1 else "")
+        parts = [dp, f"tp {self.tp}", f"pp {self.pp}" + (f" (v {self.v})" if self.v > 1 else "")]
         if self.cp > 1:
             parts.append(f"cp {self.cp} ({self.cp_method})")
         opts = [f"ZeRO-{self.zero}" if self.zero else "no ZeRO"]

@@ -148,7 +148,7 @@ def stage_memory(model: ModelSpec, layout: Layout, m: int, stage: int, *, dp_ran
     acts = Term("activations", with_r, "B", f_with, KORTHIKANTI)
     acts0 = Term("activations (no recompute)", without, "B", f_without, KORTHIKANTI)
     width = bytes_per_element(layout)
-    n = layout.dp * layout.cp
+    n = layout.dp_shard_size * layout.cp
     bucket = layout.bucket_mb * 2**20
     buffers: dict[str, Term] = {}
     if layout.zero == 2 and n > 1:

@@ -1,7 +1,8 @@
 """Model-state bytes per device by owner: parameters, gradients, fp32 master weights, optimizer states.
 
 For the ``Ψ`` parameters a device holds (its pipeline stage, its tensor-parallel shard), ``N = dp · cp``
-ranks sharing them, Adam (two fp32 moments, 8 bytes), and bytes per element ``p`` (parameters: 4 fp32, 2
+ranks sharing them (HSDP: ``N = dp_shard · cp``, the states replicated ``dp / dp_shard`` times), Adam (two
+fp32 moments, 8 bytes), and bytes per element ``p`` (parameters: 4 fp32, 2
 bf16/fp16), ``g`` (gradients: 4 with an fp32 ``main_grad``, Megatron's and lslm's default, or ``p``), ``k``
 (fp32 master weights: 4 in bf16/fp16, 0 in fp32, where the parameters are the masters):
 
@@ -81,9 +82,9 @@ def model_states(psi: int, layout: Layout, *, buckets: Sequence[int] | None = No
     """Bytes by owner for ``psi`` parameters on one device of ``layout`` (its ``dp · cp`` ranks share them).
 
     ``buckets``: element counts of the flat buckets (they must sum to ``psi``); ``rank``: the data-parallel
-    rank (rank 0 owns full slices: the most loaded).
+    rank (rank 0 owns full slices: the most loaded); under HSDP the rank inside the shard group.
     """
-    n = layout.dp * layout.cp
+    n = layout.dp_shard_size * layout.cp
     buckets = [psi] if buckets is None else list(buckets)
     if sum(buckets) != psi or any(b < 0 for b in buckets):
         raise ValueError(f"buckets must be element counts >= 0 summing to psi={psi}, got sum {sum(buckets)}")

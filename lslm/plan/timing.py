@@ -21,7 +21,8 @@ stage 2's per-micro-batch reduce-scatters during each micro-batch's backward, an
 1-2 follows the optimizer step (exposed); stage 3's per-micro-batch gathers and reduce-scatters
 are prefetched behind that micro-batch's compute (exposed only beyond it). Offload's host copies and disk
 traffic are timed only where the hardware gives their rates (below); the optimizer step itself is timed at the
-device's ``optimizer_Bps`` wherever it runs.
+device's ``optimizer_Bps`` wherever it runs. HSDP's all-reduce of the gradient slices across replicas runs in the
+step, after the backward (exposed, as lslm does it).
 
 **Terms a CPU box needs** (each zero, or off, on the GPU presets, whose hardware leaves them unset; the
 course's ``cpu-box`` preset calibrates them, :mod:`lslm.plan.calibrate`):
@@ -35,9 +36,9 @@ course's ``cpu-box`` preset calibrates them, :mod:`lslm.plan.calibrate`):
   (``m T_mb + bubble``): all of it without a pipeline, only beyond the bubble with one.
 * *no overlap without a spare core*: with ``world >= cores`` every core computes, so data-parallel
   communication is exposed whole.
-* *the optimizer step* (``hw.optimizer_Bps``): the elements a device updates (``/dp`` under ZeRO) times the
-  bytes torch's single-tensor loop reads and writes per element (:data:`~lslm.plan.hardware.OPTIMIZER_BYTES`),
-  over a streaming rate; times the core sharing.
+* *the optimizer step* (``hw.optimizer_Bps``): the elements a device updates (``/dp`` under ZeRO, ``/dp_shard``
+  under HSDP) times the bytes torch's single-tensor loop reads and writes per element
+  (:data:`~lslm.plan.hardware.OPTIMIZER_BYTES`), over a streaming rate; times the core sharing.
 * *offload copies* (``hw.host_copy_Bps``, ``hw.disk_Bps``; :func:`offload_bytes`): with ``offload`` each step
   copies the gradient slice a device owns to the host (fp32, the copy the host steps) and the updated
   parameter slice back; with ``"disk"`` the fp32 masters and Adam's moments of that slice (``4 + 8`` bytes
@@ -151,11 +152,11 @@ def _stage_microbatch_s(model: ModelSpec, layout: Layout, hw: Hardware) -> tuple
 
 def optimizer_s(model: ModelSpec, layout: Layout, hw: Hardware) -> float | None:
     """Seconds of one optimizer step on a device of the last stage: the elements it updates (its stage's
-    parameters, ``/dp`` under ZeRO) x :data:`~lslm.plan.hardware.OPTIMIZER_BYTES` over ``hw.optimizer_Bps``;
-    None when the hardware has no such rate."""
+    parameters, ``/dp`` under ZeRO, ``/dp_shard`` under HSDP) x :data:`~lslm.plan.hardware.OPTIMIZER_BYTES`
+    over ``hw.optimizer_Bps``; None when the hardware has no such rate."""
     if hw.optimizer_Bps is None:
         return None
-    elements = stage_params(model, layout, layout.pp - 1) / (layout.dp * layout.cp if layout.zero else 1)
+    elements = stage_params(model, layout, layout.pp - 1) / (layout.dp_shard_size * layout.cp if layout.zero else 1)
     return elements * OPTIMIZER_BYTES[layout.optimizer] / hw.optimizer_Bps
 
 
@@ -166,7 +167,7 @@ def offload_bytes(model: ModelSpec, layout: Layout) -> tuple[float, float]:
     if layout.offload == "none":
         return 0.0, 0.0
     width = bytes_per_element(layout)
-    owned = stage_params(model, layout, layout.pp - 1) / (layout.dp * layout.cp)
+    owned = stage_params(model, layout, layout.pp - 1) / (layout.dp_shard_size * layout.cp)
     host = owned * (4 + width["parameters"])
     disk = 2 * owned * (4 + width["optimizer_states"]) if layout.offload == "disk" else 0.0
     return host, disk
@@ -230,25 +231,31 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
                            f"{how}; {cp.time_s:.3g} s in all", "Liu et al. 2023 (ring); Jacobs et al. 2023 (Ulysses)")
         verdicts.append(verdict)
     if dp is not None and dp.group > 1:
+        # HSDP: the all-reduce of the slices across replicas runs once, in the step, after the backward (exposed).
+        across = sum(c.time_s for c in dp.collectives if c.axis == "dp_replicate")
+        inside = dp.time_s - across
         if no_overlap:
-            exposed = dp.time_s
+            exposed = inside
             how = "all of it: every core computes, none is left to overlap communication"
-            verdicts.append(Verdict("dp", dp.time_s, m * t_bwd, "per step, against the step's backward"))
+            verdicts.append(Verdict("dp", inside, m * t_bwd, "per step, against the step's backward"))
         elif layout.zero == 3:
-            per_mb = dp.time_s / m  # everything moves every micro-batch, prefetched behind its compute
+            per_mb = inside / m  # everything moves every micro-batch, prefetched behind its compute
             exposed = m * max(0.0, per_mb - t_mb)
             how = "m · max(0, per-micro-batch gathers and reduce-scatters - T_mb)"
             verdicts.append(Verdict("dp", per_mb, t_mb, "per micro-batch (prefetched behind its compute)"))
         else:
-            reduce = sum(c.time_s for c in dp.collectives if "gather" not in c.label)
-            gather = dp.time_s - reduce
+            reduce = sum(c.time_s for c in dp.collectives if "gather" not in c.label and c.axis != "dp_replicate")
+            gather = inside - reduce
             if layout.zero == 2:  # each micro-batch's reduce-scatter hides behind that micro-batch's backward
                 exposed = m * max(0.0, reduce / m - t_bwd) + gather
                 how = "m · max(0, reduce-scatter - its backward) + all-gather"
             else:  # one reduction per step, behind the last micro-batch's backward
                 exposed = max(0.0, reduce - t_bwd) + gather
                 how = "max(0, reduction - last backward)" + (" + all-gather" if gather else "")
-            verdicts.append(Verdict("dp", dp.time_s, m * t_bwd, "per step, against the step's backward"))
+            verdicts.append(Verdict("dp", inside, m * t_bwd, "per step, against the step's backward"))
+        if across:
+            exposed += across
+            how += " + the all-reduce across replicas (HSDP)"
         times["dp"] = Term("data-parallel communication (exposed)", exposed, "s",
                            f"{how}; {dp.time_s:.3g} s in all", "Rajbhandari et al. 2020; Li et al. 2020 §3.2.3")
     opt = optimizer_s(model, layout, hw)

@@ -25,9 +25,14 @@ latest complete one (at any number of processes: the shards are resharded by ele
 ranges), skips the batches already used and runs the remaining steps, which then equal those
 of a run without the break. ``--crash-at-step`` makes the last rank SIGKILL itself, to try it.
 
+**HSDP.** ``--dp-shard K`` splits the data axis into ``dp_replicate x dp_shard = (world / K) x K``
+(:mod:`lslm.runtime.grid`): the states shard over ``K`` consecutive ranks and each rank's gradient
+slices are all-reduced across the replicas at the step (:class:`~lslm.zero.optimizer.ZeroOptimizer`);
+the losses are the same run's. Sharded checkpoints are not written under HSDP (refused before launch).
+
 **What is counted, per step and rank** (the comm ledger): ``rs_bytes`` (gradient
-reduce-scatters), ``ag_bytes`` (parameter all-gathers), ``other_comm_bytes`` (the clip's norm,
-the overflow vote).
+reduce-scatters), ``ag_bytes`` (parameter all-gathers), ``replicate_bytes`` (HSDP's all-reduce of the
+slices across replicas), ``other_comm_bytes`` (the clip's norm, the overflow vote).
 """
 
 from __future__ import annotations
@@ -48,9 +53,10 @@ from lslm.precision import PARAM_DTYPES
 from lslm.precision.scaler import DynamicLossScaler
 from lslm.recipes.train import TrainConfig, adamw, build_model, replica_loader
 from lslm.runtime.context import ParallelContext
+from lslm.runtime.grid import check_dp_shard
 from lslm.runtime.startup import run_then_exit
 from lslm.zero.checkpoint import latest_checkpoint, load_zero, save_zero
-from lslm.zero.optimizer import GATHER_LABEL, REDUCE_SCATTER_LABEL, STAGES, ZeroOptimizer
+from lslm.zero.optimizer import GATHER_LABEL, REDUCE_SCATTER_LABEL, REPLICATE_LABEL, STAGES, ZeroOptimizer
 
 __all__ = ["RECIPE", "ZeroConfig", "build", "check_config", "compare", "main", "run", "worker"]
 
@@ -65,6 +71,8 @@ class ZeroConfig(TrainConfig):
     keep_gathered: bool = option(False, help="stage 3: keep each block gathered from its forward to its backward "
                                              "(FSDP2's reshard_after_forward=False: 2 instead of 3 x the parameters "
                                              "moved per step, more memory)")
+    dp_shard: int | None = option(None, help="HSDP: shard the states over this many consecutive ranks and replicate "
+                                             "the shards over the rest (dp_replicate x dp_shard; default: all)", ge=1)
     bucket_cap_mb: float = option(25.0, help="MiB per gradient bucket (one reduce-scatter and all-gather each)", gt=0)
     offload: str | None = option(None, choices=(None, "cpu", "disk"), help="cpu: fp32 masters, optimizer states and "
                                  "the step in host memory (ZeRO-Offload); disk: those states in files under "
@@ -87,6 +95,10 @@ class ZeroConfig(TrainConfig):
 
 def check_config(cfg: ZeroConfig, world_size: int) -> int:
     """Check that ``cfg`` runs on ``world_size`` processes; return the data-parallel size (the world size)."""
+    shard = check_dp_shard(world_size, cfg.dp_shard)
+    if shard < world_size and (cfg.save_every or cfg.resume):
+        raise ValueError(f"--dp-shard {shard} < dp={world_size}: sharded checkpoints are not written under HSDP "
+                         "(each replica would write the same shards); drop --save-every/--resume or --dp-shard")
     if cfg.batch_size % world_size:
         raise ValueError(f"global batch_size={cfg.batch_size} is not divisible by dp={world_size} replicas; use a "
                          f"multiple of {world_size}")
@@ -96,6 +108,8 @@ def check_config(cfg: ZeroConfig, world_size: int) -> int:
 def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
     """The ZeRO technique on this rank: the model, ZeroOptimizer over AdamW, this replica's batches, the step."""
     dp = check_config(cfg, ctx.world_size)
+    if ctx.grid.dp_shard != check_dp_shard(dp, cfg.dp_shard):  # HSDP (or back from it, several runs in one launch)
+        ctx = ctx.with_grid(dp_shard=cfg.dp_shard)
     # Stage 3 keeps only a slice of the parameters: build on the meta device and materialise just that slice of
     # the serial run's weights (lslm.models.deferred_init), so no rank ever holds the whole model.
     meta = cfg.stage == 3
@@ -134,7 +148,9 @@ def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
         recs = ledger.snapshot()[since:]
         rs = sum(r.nbytes for r in recs if r.label == REDUCE_SCATTER_LABEL)
         ag = sum(r.nbytes for r in recs if r.label == GATHER_LABEL)
-        traffic.update(rs_bytes=rs, ag_bytes=ag, other_comm_bytes=sum(r.nbytes for r in recs) - rs - ag,
+        rep = sum(r.nbytes for r in recs if r.label == REPLICATE_LABEL)
+        traffic.update(rs_bytes=rs, ag_bytes=ag, replicate_bytes=rep,
+                       other_comm_bytes=sum(r.nbytes for r in recs) - rs - ag - rep,
                        loss_scale=float(optimizer.loss_scale), stepped=float(stepped),
                        offload_to_host_bytes=optimizer.offload_bytes["to_host"],
                        offload_to_device_bytes=optimizer.offload_bytes["to_device"],
@@ -156,11 +172,13 @@ def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
 
     layout = optimizer.layout
     info = {"num_parameters": sum(int(torch.Size(sh).numel()) for sh in optimizer.shapes), "dp_size": dp,
+            "dp_shard": optimizer.world, "dp_replicate": optimizer.replicas,
             "stage": cfg.stage, "precision": cfg.precision, "owned_params": layout.param_numel,
             "padded_numel": optimizer.numel, "bucket_numels": [z - a for a, z, _, _ in optimizer.buckets],
             "tokens_per_step": cfg.batch_size * cfg.block_size}
+    name = f"zero{cfg.stage}-dp{dp}" + (f"-shard{optimizer.world}" if optimizer.replicas > 1 else "")
     return Built(model=model, optimizer=optimizer, step=step, batches=batches, ctx=ctx, device=ctx.device,
-                 per_step=per_step, count=(None, None), log=log, info=info, name=f"zero{cfg.stage}-dp{dp}",
+                 per_step=per_step, count=(None, None), log=log, info=info, name=name,
                  first_step=first)
 
 
@@ -179,10 +197,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if first["rank"] == 0:
         s = summarize_run(first)
         losses = first["losses"]
-        print(f"ZeRO stage {cfg.stage} x dp={first['dp_size']} ({cfg.precision}): loss {losses[0]:.3f} -> "
+        hsdp = f" (replicate {first['dp_replicate']} x shard {first['dp_shard']})" if first["dp_replicate"] > 1 else ""
+        print(f"ZeRO stage {cfg.stage} x dp={first['dp_size']}{hsdp} ({cfg.precision}): loss {losses[0]:.3f} -> "
               f"{losses[-1]:.3f} over {cfg.steps} steps; rank 0 median step {s['step_ms']:.1f} ms; owns "
               f"{first['owned_params']:,} parameters; per step {first['rs_bytes'][-1]:,} B reduce-scattered, "
-              f"{first['ag_bytes'][-1]:,} B all-gathered" + (f"; wrote {cfg.out}" if cfg.out else ""))
+              f"{first['ag_bytes'][-1]:,} B all-gathered"
+              + (f", {first['replicate_bytes'][-1]:,} B all-reduced across replicas" if hsdp else "")
+              + (f"; wrote {cfg.out}" if cfg.out else ""))
     return results
 
 

@@ -32,6 +32,11 @@ How they are created (:func:`create_groups`), cheapest first, each only what tor
   gloo's rendezvous then reads the dead group's addresses from the store (measured: the
   first collective times out). torch's sequential names are never reused.
 
+HSDP. A grid with ``dp_shard < dp`` (:mod:`lslm.runtime.grid`) also gets ``ctx.group("dp_shard")`` and
+``ctx.group("dp_replicate")``, created after the others (every rank, same order) and named so in the
+ledger; without the split they are the dp group and the single-rank one. ``ctx.dp_mesh`` is the 2-D
+``DeviceMesh`` ``("dp_replicate", "dp_shard")`` over this rank's dp group, FSDP2's HSDP mesh.
+
 ``ctx.mesh`` is a torch ``DeviceMesh`` with dims ``("pp", "dp", "cp", "tp")`` over
 the same ranks (size-1 dims included, so ``ctx.mesh["dp"]`` always exists), for
 DTensor / FSDP2 / pipelining side-by-sides. It is built on first access from the
@@ -56,7 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lslm.runtime.grid import AXES, Coords, RankGrid, canonical_axes
+from lslm.runtime.grid import AXES, DP_SUB_AXES, Coords, RankGrid, canonical_axes
 from lslm.runtime.ledger import Comm
 
 SELF_GROUP_NAME = "self"
@@ -100,6 +105,15 @@ def create_groups(grid: RankGrid, rank: int, timeout: timedelta | None = None) -
                 pg = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     mine[axes] = pg
+    if 1 < grid.dp_replicate < grid.dp:  # HSDP's two proper sub-groups of dp (otherwise they are dp or self)
+        for sub in ("dp_shard", "dp_replicate"):
+            if split:
+                mine[(sub,)] = dist.split_group(split_ranks=grid.groups(sub), timeout=timeout)
+                continue
+            for ranks in grid.groups(sub):
+                pg = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    mine[(sub,)] = pg
     return mine
 
 
@@ -164,6 +178,15 @@ class ParallelContext:
         for k in range(1, len(AXES) + 1):
             for combo in itertools.combinations(AXES, k):
                 ctx._groups[combo] = mine[tuple(a for a in combo if getattr(grid, a) > 1)]
+        # HSDP's sub-axes: their own groups, or (one of them of size 1) the dp group and the single-rank one.
+        for sub in DP_SUB_AXES:
+            if (sub,) in mine:
+                ctx._groups[(sub,)] = mine[(sub,)]
+            else:
+                whole = (sub == "dp_shard") == (grid.dp_shard == grid.dp)
+                key = ctx._groups[("dp",)] if whole else mine.get(())
+                if key is not None:  # no single-rank group exists when every axis has size > 1
+                    ctx._groups[(sub,)] = key
         ctx.tp_group, ctx.cp_group = ctx._groups[("tp",)], ctx._groups[("cp",)]
         ctx.dp_group, ctx.pp_group = ctx._groups[("dp",)], ctx._groups[("pp",)]
         return ctx
@@ -176,10 +199,15 @@ class ParallelContext:
                                "from, and its groups were destroyed: use the context that call returned")
         if not self._groups:
             raise RuntimeError("this ParallelContext has no groups: build it with ParallelContext.create()")
+        if len(axes) == 1 and axes[0] in DP_SUB_AXES:
+            if (axes[0],) not in self._groups:
+                raise ValueError(f"{axes[0]} has size 1 on this grid and every axis has size > 1, so no single-rank "
+                                 "group was made: a size-1 group is never needed for communication")
+            return self._groups[(axes[0],)]
         return self._groups[canonical_axes(axes)]
 
     def group_ranks(self, *axes: str) -> list[int]:
-        """Global ranks of :meth:`group` ``(*axes)``, ascending (pure: from the grid)."""
+        """Global ranks of :meth:`group` ``(*axes)``, ascending (pure: from the grid; ``"dp_shard"`` too)."""
         return self.grid.group_of(self.rank, *axes)
 
     @property
@@ -197,6 +225,39 @@ class ParallelContext:
                                                mesh=self.grid.layout(), mesh_dim_names=AXES)
         return self._mesh
 
+    @property
+    def dp_mesh(self) -> Any:
+        """A 2-D ``DeviceMesh`` ``("dp_replicate", "dp_shard")`` over this rank's dp group (HSDP's mesh, for
+        ``fully_shard(model, mesh=ctx.dp_mesh)``); built from this context's groups, not collective."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = self.group_ranks("dp")
+        s = self.grid.dp_shard
+        layout = [ranks[r * s:(r + 1) * s] for r in range(self.grid.dp_replicate)]
+        return DeviceMesh.from_group([self.group("dp_replicate"), self.group("dp_shard")], self.device.type,
+                                     mesh=layout, mesh_dim_names=DP_SUB_AXES)
+
+    @property
+    def dp_shard_size(self) -> int:
+        """HSDP: ranks the model states are sharded over (``dp`` without HSDP)."""
+        assert self.grid.dp_shard is not None
+        return self.grid.dp_shard
+
+    @property
+    def dp_replicate_size(self) -> int:
+        """HSDP: replicas of the sharded states (1 without HSDP)."""
+        return self.grid.dp_replicate
+
+    @property
+    def dp_shard_rank(self) -> int:
+        """Rank within the dp_shard group."""
+        return self.grid.dp_coords(self.rank)["dp_shard"]
+
+    @property
+    def dp_replicate_rank(self) -> int:
+        """Rank within the dp_replicate group."""
+        return self.grid.dp_coords(self.rank)["dp_replicate"]
+
     def with_grid(self, **sizes: Any) -> ParallelContext:
         """A context over the same processes with another grid (``tp=2``, ``pp=2, dp=None``), sharing this ledger.
 
@@ -210,10 +271,10 @@ class ParallelContext:
         in one launch). ``self``'s own groups are never touched.
         """
         grid = RankGrid.build(self.world_size, **sizes)
-        if self.grid.sizes == grid.sizes:
+        if self.grid == grid:
             return self
         if self._derived is not None:
-            if self._derived.grid.sizes == grid.sizes:
+            if self._derived.grid == grid:
                 return self._derived
             self._derived.release_groups()
             self._derived = None
@@ -318,7 +379,9 @@ class ParallelContext:
         """JSON-ready summary of this rank's place (for results and printing)."""
         return {"rank": self.rank, "local_rank": self.local_rank, "node_rank": self.node_rank,
                 "world_size": self.world_size, "device": str(self.device), "backend": self.backend,
-                **self.coords._asdict(), **{f"{a}_size": getattr(self.grid, a) for a in ("tp", "cp", "dp", "pp")}}
+                **self.coords._asdict(), **{f"{a}_size": getattr(self.grid, a) for a in ("tp", "cp", "dp", "pp")},
+                **({**self.grid.dp_coords(self.rank), "dp_shard_size": self.dp_shard_size}
+                   if self.grid.hsdp else {})}
 
     # -- lifetime ----------------------------------------------------------------
     def barrier(self) -> None:

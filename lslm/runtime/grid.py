@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost to innermost
+#: The data axis split for HSDP, outer then inner: ``dp = dp_replicate x dp_shard``.
+DP_SUB_AXES = ("dp_replicate", "dp_shard")
 
 
 class Coords(NamedTuple):
@@ -75,12 +77,27 @@ def resolve_sizes(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = No
     return {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
 
 
+def check_dp_shard(dp: int, dp_shard: int | None) -> int:
+    """``dp_shard`` (``None``: ``dp``) after checking it is a positive integer dividing ``dp``; ValueError if not."""
+    if dp_shard is None:
+        return dp
+    dp_shard = _positive_int("dp_shard", dp_shard)
+    if dp % dp_shard:
+        divisors = [k for k in range(1, dp + 1) if dp % k == 0]
+        raise ValueError(f"dp_shard={dp_shard} does not divide dp={dp}: HSDP splits dp into dp_replicate x dp_shard; "
+                         f"choose dp_shard among {divisors}")
+    return dp_shard
+
+
 def canonical_axes(axes: tuple[str, ...]) -> tuple[str, ...]:
     """``axes`` in grid order (outermost first); accepts ``"dp,cp"`` strings. ValueError on unknown/duplicate axes."""
     names = [a.strip() for item in axes for a in (item.split(",") if isinstance(item, str) else [item])]
     if not names:
         raise ValueError(f"name at least one axis of {AXES}")
     unknown = [a for a in names if a not in AXES]
+    if any(a in DP_SUB_AXES for a in unknown):
+        raise ValueError(f"{DP_SUB_AXES} (HSDP's split of dp) name a group alone, not combined with other axes: "
+                         f"got {tuple(names)}")
     if unknown:
         raise ValueError(f"unknown axis {unknown[0]!r}; the grid's axes are {AXES}")
     if len(set(names)) != len(names):
@@ -97,17 +114,50 @@ class RankGrid:
     pp: int
     dp: int
     cp: int = 1
+    #: HSDP: ranks of ``dp`` that shard the model states (module doc); ``None`` means ``dp`` (plain sharding).
+    dp_shard: int | None = None
 
     def __post_init__(self) -> None:
         sizes = resolve_sizes(self.world_size, tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp)
         for axis, size in sizes.items():  # store plain ints (numpy integers were accepted)
             object.__setattr__(self, axis, size)
+        object.__setattr__(self, "dp_shard", check_dp_shard(self.dp, self.dp_shard))
 
     @classmethod
-    def build(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1) -> RankGrid:
-        """Validate the sizes (see :func:`resolve_sizes`) and return the grid."""
+    def build(cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1,
+              dp_shard: int | None = None) -> RankGrid:
+        """Validate the sizes (see :func:`resolve_sizes`, :func:`check_dp_shard`) and return the grid."""
         sizes = resolve_sizes(world_size, tp=tp, pp=pp, dp=dp, cp=cp)
-        return cls(world_size=world_size, **sizes)
+        return cls(world_size=world_size, **sizes, dp_shard=dp_shard)
+
+    # -- HSDP: the data axis split into dp_replicate x dp_shard ---------------------------------
+    @property
+    def dp_replicate(self) -> int:
+        """Replicas of the sharded model states: ``dp // dp_shard`` (1 without HSDP)."""
+        assert self.dp_shard is not None
+        return self.dp // self.dp_shard
+
+    @property
+    def hsdp(self) -> bool:
+        """True when the data axis is split (``dp_shard < dp``): model states sharded over part of it."""
+        return self.dp_replicate > 1
+
+    def dp_coords(self, rank: int) -> dict[str, int]:
+        """``{"dp_replicate", "dp_shard"}`` coordinates of ``rank`` (``dp = dp_replicate * dp_shard + dp_shard``)."""
+        assert self.dp_shard is not None
+        replicate, shard = divmod(self.coords_of(rank).dp, self.dp_shard)
+        return {"dp_replicate": replicate, "dp_shard": shard}
+
+    def _dp_sub_groups(self, axis: str) -> list[list[int]]:
+        assert self.dp_shard is not None
+        s = self.dp_shard
+        out = []
+        for ranks in self.groups("dp"):  # each in ascending dp order
+            if axis == "dp_shard":  # consecutive along dp: same replicate coordinate
+                out += [ranks[r * s:(r + 1) * s] for r in range(self.dp_replicate)]
+            else:  # same shard coordinate, one per replica
+                out += [ranks[k::s] for k in range(s)]
+        return out
 
     # -- sizes and coordinates -----------------------------------------------------
     @property
@@ -148,7 +198,10 @@ class RankGrid:
         Groups are ordered by the coordinates of the other axes (outermost first); the
         ranks inside a group ascend, which is also their order along the axes (so a
         ``pp`` group runs first stage to last). Together the groups partition the world.
+        ``groups("dp_shard")`` / ``groups("dp_replicate")``: the HSDP sub-axes (named alone).
         """
+        if len(axes) == 1 and axes[0] in DP_SUB_AXES:
+            return self._dp_sub_groups(axes[0])
         varying = canonical_axes(axes)
         fixed = [a for a in AXES if a not in varying]
         out = []
@@ -159,7 +212,10 @@ class RankGrid:
         return out
 
     def group_of(self, rank: int, *axes: str) -> list[int]:
-        """The group over ``axes`` (e.g. ``"dp"``, or ``"dp", "cp"``) that contains ``rank``."""
+        """The group over ``axes`` (e.g. ``"dp"``, or ``"dp", "cp"``, or ``"dp_shard"``) that contains ``rank``."""
+        if len(axes) == 1 and axes[0] in DP_SUB_AXES:
+            self.coords_of(rank)  # range check
+            return next(g for g in self._dp_sub_groups(axes[0]) if rank in g)
         varying = canonical_axes(axes)
         mine = self.coords_of(rank)._asdict()
         fixed = {a: c for a, c in mine.items() if a not in varying}
@@ -206,8 +262,10 @@ class RankGrid:
         return self.shift(rank, "pp", +1)
 
     def table(self) -> list[dict[str, int]]:
-        """One row per rank: ``{"rank", "pp", "dp", "cp", "tp"}`` (handy for printing a grid)."""
-        return [{"rank": r, **self.coords_of(r)._asdict()} for r in range(self.world_size)]
+        """One row per rank: ``{"rank", "pp", "dp", "cp", "tp"}`` (handy for printing a grid); with HSDP also
+        ``"dp_replicate"`` and ``"dp_shard"``."""
+        return [{"rank": r, **self.coords_of(r)._asdict(), **(self.dp_coords(r) if self.hsdp else {})}
+                for r in range(self.world_size)]
 
     def layout(self) -> list[Any]:
         """The global ranks as a nested list of shape ``(pp, dp, cp, tp)`` (a DeviceMesh's ``mesh``)."""

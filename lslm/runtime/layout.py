@@ -23,6 +23,11 @@ default "tp-cp-ep-dp-pp"; torchtitan's mesh ``["pp", "dp", "cp", "tp"]`` is the 
 :func:`rank_layout` gives the table (one row per rank: its coordinates and, per axis, the group
 it belongs to); :func:`format_layout` prints it. ``rank_layout(RankGrid.build(8, tp=2, pp=2))``
 shows ranks 0 and 1 as one tp group, ``{0, 2}`` a dp group and ``{0, 4}`` a pp group.
+
+**HSDP** (``RankGrid(..., dp_shard=k)``, dp split into ``dp_replicate x dp_shard``, shard innermost): the rows
+also give the two sub-coordinates and the ``dp_shard`` / ``dp_replicate`` groups. A shard group is ``k``
+consecutive dp ranks (inside a node when ``k · cp · tp`` fits one), so the model states' frequent
+reduce-scatter and all-gather stay on the fast links and only a ``1/k`` share of the gradients crosses nodes.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ def rank_layout(grid: RankGrid, axes: tuple[str, ...] | None = None) -> list[dic
     unknown = [a for a in shown if a not in AXES]
     if unknown:
         raise ValueError(f"unknown axis {unknown[0]!r}; the grid's axes are {AXES}")
-    return [{"rank": r, **grid.coords_of(r)._asdict(), **{f"{a} group": grid.group_of(r, a) for a in shown}}
+    subs = ("dp_shard", "dp_replicate") if grid.hsdp and (axes is None or "dp" in shown) else ()
+    return [{"rank": r, **grid.coords_of(r)._asdict(), **(grid.dp_coords(r) if subs else {}),
+             **{f"{a} group": grid.group_of(r, a) for a in (*shown, *subs)}}
             for r in range(grid.world_size)]
 
 
@@ -56,6 +63,8 @@ def format_layout(grid: RankGrid, axes: tuple[str, ...] | None = None) -> str:
     cells = [[", ".join(map(str, v)) if isinstance(v, list) else str(v) for v in row.values()] for row in rows]
     widths = [max(len(c), *(len(cell[i]) for cell in cells)) for i, c in enumerate(columns)]
     sizes = " x ".join(f"{a}={grid.sizes[a]}" for a in AXES)
+    if grid.hsdp:
+        sizes += f" (dp = dp_replicate={grid.dp_replicate} x dp_shard={grid.dp_shard})"
     lines = [f"{grid.world_size} ranks: {sizes} (tp innermost: consecutive ranks)",
              "  ".join(c.rjust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in cells]

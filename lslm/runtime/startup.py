@@ -202,7 +202,8 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def init_distributed(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, *, backend: str | None = None,
+def init_distributed(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, *, dp_shard: int | None = None,
+                     backend: str | None = None,
                      device: str | torch.device | None = None, timeout_s: float | None = None,
                      seed: int = 0) -> ParallelContext:
     """Join the process group torchrun set up and return this rank's :class:`ParallelContext`.
@@ -226,7 +227,7 @@ def init_distributed(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 
         init_method = f"tcp://127.0.0.1:{port}"
     else:
         init_method = "env://"
-    grid = RankGrid.build(env.world_size, tp=tp, pp=pp, dp=dp, cp=cp)
+    grid = RankGrid.build(env.world_size, tp=tp, pp=pp, dp=dp, cp=cp, dp_shard=dp_shard)
     dev, be = choose_device_and_backend(env.local_rank, env.local_world_size, backend, device)
     timeout = float(timeout_s if timeout_s is not None else os.environ.get("LSLM_TIMEOUT_S", DEFAULT_TIMEOUT_S))
     if dist.is_initialized():

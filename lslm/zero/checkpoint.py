@@ -77,6 +77,9 @@ def save_zero(zero: ZeroOptimizer, folder: str | Path, *, step: int, extra: Mapp
     save each step to its own folder, so the previous one survives a failed save).
     """
     folder = Path(folder)
+    if zero.replicas > 1:
+        raise ValueError(f"saving under HSDP ({zero.replicas} replicas of each shard) is not implemented: every "
+                         "replica would write the same shard files; load_zero works (any layout loads)")
     if (folder / MANIFEST).exists():
         raise ValueError(f"{folder} already holds a complete checkpoint; save to a new folder (one per step)")
     names = _names(zero)

@@ -41,6 +41,15 @@ the reduce-scatter: the paper's ``3Ψ`` for the blocks; the root is gathered onc
 whole model moves ``3Ψ - Ψ_root``. ``reshard_after_forward=False`` keeps each unit
 gathered from its forward to its backward (FSDP2's option of that name): ``2Ψ``, and the
 memory of every unit at once. No all-gather after the step: the next forward gathers.
+
+**HSDP** (a grid with ``dp_shard < dp``, :mod:`lslm.runtime.grid`; torchtitan's and FSDP2's hybrid
+sharding): every stage shards over the ``dp_shard`` group only (``N = dp_shard`` above: memory follows
+``dp_shard``, not ``dp``), the reduce-scatters and all-gathers stay inside it, and at the step each
+rank's gradient slices, summed over its shard group, are all-reduced over the ``dp_replicate`` group
+(:data:`REPLICATE_LABEL`), one call per bucket slice, then divided by the whole ``dp``. So the traffic
+that crosses replicas is ``2(R-1)/R`` of the slice, ``1/dp_shard`` of what DDP's all-reduce of the whole
+buffer moves; the replicas then step identical slices. Stage 2 and 3 reduce-scatter every micro-batch
+(inside the shard group) but all-reduce across replicas once per step, on the accumulated slice.
 """
 
 from __future__ import annotations
@@ -63,11 +72,14 @@ from lslm.tensor_parallel.clip import counts_in_norm
 from lslm.zero.disk import DiskStates, check_writable, elementwise_state_keys
 from lslm.zero.layout import ShardLayout, shard_layout, unit_layout
 
-__all__ = ["GATHER_LABEL", "NORM_LABEL", "OFFLOADS", "REDUCE_SCATTER_LABEL", "STAGES", "ZeroOptimizer"]
+__all__ = ["GATHER_LABEL", "NORM_LABEL", "OFFLOADS", "REDUCE_SCATTER_LABEL", "REPLICATE_LABEL", "STAGES",
+           "ZeroOptimizer"]
 
 REDUCE_SCATTER_LABEL = "zero grads reduce-scatter"
 GATHER_LABEL = "zero params all-gather"
 NORM_LABEL = "zero grad norm"
+#: HSDP: the all-reduce of each rank's gradient slices across the dp_replicate group.
+REPLICATE_LABEL = "zero grads replicate all-reduce"
 
 STAGES = (1, 2, 3)
 #: Where the optimizer's states may live: with the parameters (``None``), in host memory (``"cpu"``) or in files
@@ -134,6 +146,9 @@ class ZeroOptimizer:
             raise ValueError(f"ZeRO stage 2 reduce-scatters gradients during backward, but a pipeline rank (pp="
                              f"{ctx.pp_size}) must still sum its tied embedding's gradient with the other end after "
                              f"the last micro-batch: use stage 1 with pipeline parallelism")
+        if ctx.grid.hsdp and ctx.tp_size * ctx.pp_size > 1:
+            raise ValueError(f"HSDP (dp_shard={ctx.dp_shard_size} < dp={ctx.dp_size}) is implemented for pure data "
+                             f"parallelism; with tp={ctx.tp_size}, pp={ctx.pp_size} leave dp_shard = dp")
         if ctx.cp_size > 1:
             raise ValueError(f"cp={ctx.cp_size}: context-parallel ranks must also sum gradients; ZeroOptimizer "
                              "reduces over dp only")
@@ -188,8 +203,13 @@ class ZeroOptimizer:
         if scaler is not None and scaler.comm is None:
             # Each rank checks only its slice: the overflow vote must span the group.
             scaler.comm, scaler.group = ctx.comm, ctx.group("dp")
-        self.group = ctx.group("dp")
-        self.world, self.rank = ctx.dp_size, ctx.dp_rank
+        # HSDP: shard over the dp_shard group only; the replicas of a slice are all-reduced at the step.
+        hsdp = ctx.grid.hsdp
+        self.group = ctx.group("dp_shard") if hsdp else ctx.group("dp")
+        self.world, self.rank = (ctx.dp_shard_size, ctx.dp_shard_rank) if hsdp else (ctx.dp_size, ctx.dp_rank)
+        #: HSDP: the dp_replicate group and its size (``None`` and 1 without HSDP).
+        self.replicate_group = ctx.group("dp_replicate") if hsdp else None
+        self.replicas = ctx.dp_replicate_size if hsdp else 1
         self.params = params
         self.grad_dtype = grad_dtype
         self.grad_buffer: GradBuffer | None = None
@@ -300,7 +320,8 @@ class ZeroOptimizer:
                 settings = {k: v for k, v in g.items() if k != "params"}
                 found = elementwise_state_keys(type(optimizer), settings, defaults)
                 keys.update({id(m): found for m in g["params"]})
-            self.disk = DiskStates(Path(offload_dir) / f"rank{self.rank:05d}-of-{self.world:05d}", masters,
+            replica = f"replica{ctx.dp_replicate_rank:05d}-" if self.replicas > 1 else ""
+            self.disk = DiskStates(Path(offload_dir) / f"{replica}rank{self.rank:05d}-of-{self.world:05d}", masters,
                                    cap_bytes(disk_chunk_mb), keys=[keys.get(id(m), []) for m in masters],
                                    values=disk_values, pin=self.device.type == "cuda")
         del disk_values
@@ -533,7 +554,13 @@ class ZeroOptimizer:
                 w.wait()
         else:
             self._finish_backward()
-        scale = self.world * (self.scaler.scale if self.scaler is not None else 1.0)
+        if self.replicate_group is not None:  # HSDP: sum the shard groups' sums across replicas, slice by slice
+            comm = self.ctx.comm
+            works = [comm.all_reduce(s, group=self.replicate_group, async_op=True, label=REPLICATE_LABEL)
+                     for s in self._slices]
+            for w in works:
+                w.wait()
+        scale = self.world * self.replicas * (self.scaler.scale if self.scaler is not None else 1.0)
         for s in self._slices:
             s.mul_(1.0 / scale)  # the mean over ranks, unscaled (1/scale exact for a power of two)
         return self._slices
@@ -685,7 +712,8 @@ class ZeroOptimizer:
 
     def __repr__(self) -> str:
         pieces = self.layout
-        return (f"ZeroOptimizer(stage={self.stage}, rank={self.rank}/{self.world}, dtype={self.dtype}, "
+        hsdp = f", replicas={self.replicas}" if self.replicas > 1 else ""
+        return (f"ZeroOptimizer(stage={self.stage}, rank={self.rank}/{self.world}{hsdp}, dtype={self.dtype}, "
                 f"owns {pieces.param_numel:,} of {sum(p.numel() for p in self.params):,} parameters in "
                 f"{len(pieces.pieces)} pieces, buckets={len(self.buckets)}, "
                 f"inner={type(self.optimizer).__name__ if self.optimizer is not None else None})")
