@@ -64,7 +64,8 @@ PLAN = "lslm plan --model gpt3-175b --devices 1024 --tp 8 --pp 8 --zero 1 --sp -
 PLAN_SEARCH = "lslm plan --model llama3-8b --devices 8 --search --flash"
 
 #: run exactly as written
-AS_WRITTEN = {LAUNCH_SMOKE, "lslm launch --help", "lslm bench ddp --help", PLAN, PLAN_SEARCH}
+PLAN_VALIDATE = "lslm plan --validate"
+AS_WRITTEN = {LAUNCH_SMOKE, "lslm launch --help", "lslm bench ddp --help", PLAN, PLAN_SEARCH, PLAN_VALIDATE}
 
 #: README command -> (options appended, or {placeholder: value}); why this is the smallest meaningful run
 SMALLEST: dict[str, tuple[str | dict[str, str], str]] = {
@@ -98,6 +99,10 @@ SMALLEST: dict[str, tuple[str | dict[str, str], str]] = {
 _MAKE_DRY_RUN = "dry-run only (`make -n`, checked below: the target exists)"
 #: README command -> why a test cannot run it, and what covers it instead
 SKIP = {
+    "lslm bench cp": "the default run takes half a minute; tests/test_bench_cp.py runs the bench at cp = 2 and checks "
+                     "its exact counts",
+    "python -m lslm.demos.pld --out bench/results/pld": "trains two GPTs for 200 steps (a minute); "
+                                                         "tests/test_layer_drop.py runs the same demo for 3 steps",
     "make lab": (f"serves JupyterLab until stopped; tests/test_setup.py starts and queries it and "
                  f"tests/test_browser.py opens every notebook in it; {_MAKE_DRY_RUN}"),
     "make test": f"is the whole suite, this test included; {_MAKE_DRY_RUN}",
