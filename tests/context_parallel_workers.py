@@ -26,7 +26,7 @@ from lslm.context_parallel import (
     ulysses_attention,
 )
 from lslm.context_parallel.apply import ContextParallelAttention
-from lslm.metrics import ActivationMemory
+from lslm.demos.cp_attention import activation_bytes, token_batch, training_row
 from lslm.models.gpt import GPT, Block, GPTConfig
 from lslm.runtime import init_distributed
 from lslm.runtime.context import ParallelContext
@@ -99,65 +99,11 @@ def block_cases(ctx: ParallelContext) -> list[dict[str, Any]]:
     return rows
 
 
-def _data(cfg: GPTConfig, batch: int, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(2)
-    idx = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
-    targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
-    targets[targets % 7 == 0] = -100  # uneven token counts per rank: the loss must count the whole batch
-    return idx.to(device), targets.to(device)
-
-
-def training(ctx: ParallelContext, method: str, layout: str, steps: int = 3) -> dict[str, Any]:
-    """GPT trained ``steps`` SGD steps under dp × cp vs serially on the whole batch: losses and parameters."""
-    cfg = GPTConfig.tiny(block_size=32)
-    idx, targets = _data(cfg, 2 * ctx.dp_size, 32, ctx.device)
-    torch.manual_seed(0)
-    serial = GPT(cfg).to(ctx.device)
-    model = apply_context_parallel(copy.deepcopy(serial), ctx, CPPlan(method, layout))
-    opt_s = torch.optim.SGD(serial.parameters(), lr=0.5)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    rows = slice(2 * ctx.dp_rank, 2 * ctx.dp_rank + 2)
-    idx_l, tgt_l = shard_batch(ctx, layout, idx[rows], targets[rows])
-    losses_s, losses = [], []
-    for _ in range(steps):
-        opt_s.zero_grad()
-        _, loss = serial(idx, targets)
-        loss.backward()
-        opt_s.step()
-        losses_s.append(loss.item())
-        opt.zero_grad()
-        logits, _ = model(idx_l)
-        loss, reported = context_parallel_loss(logits, tgt_l, ctx)
-        loss.backward()
-        reduce_context_parallel_grads(model, ctx)
-        opt.step()
-        losses.append(reported.item())
-    ps, pm = serial.state_dict(), model.state_dict()
-    return {"method": method, "layout": layout, "dp": ctx.dp_size, "cp": ctx.cp_size, "losses": losses,
-            "serial_losses": losses_s, "same_keys": list(ps) == list(pm),
-            "loss_diff": max(abs(a - b) for a, b in zip(losses, losses_s)),
-            "param_diff": max(_maxdiff(ps[name], pm[name]) for name in ps)}
-
-
-def activation_bytes(ctx: ParallelContext, method: str) -> int:
-    """Bytes autograd saves for one forward + loss of the context-parallel GPT on this rank's slice."""
-    cfg = GPTConfig.tiny(block_size=32)
-    idx, targets = _data(cfg, 2, 32, ctx.device)
-    torch.manual_seed(0)
-    model = apply_context_parallel(GPT(cfg).to(ctx.device), ctx, CPPlan(method, "zigzag"))
-    idx_l, tgt_l = shard_batch(ctx, "zigzag", idx, targets)
-    with ActivationMemory(model) as act:
-        logits, _ = model(idx_l)
-        loss, _ = context_parallel_loss(logits, tgt_l, ctx)
-    loss.backward()
-    return act.bytes
-
-
 def gpt_step_bytes(ctx: ParallelContext, method: str) -> dict[str, int]:
     """Bytes this rank's ledger records, by label, for one training step of the context-parallel GPT (the shapes
     of :func:`activation_bytes`): the calculator's cp and dp x cp axes are checked against them."""
     cfg = GPTConfig.tiny(block_size=32)
-    idx, targets = _data(cfg, 2, 32, ctx.device)
+    idx, targets = token_batch(cfg, 2, 32, ctx.device)
     torch.manual_seed(0)
     model = apply_context_parallel(GPT(cfg).to(ctx.device), ctx, CPPlan(method, "zigzag"))
     idx_l, tgt_l = shard_batch(ctx, "zigzag", idx, targets)
@@ -187,14 +133,15 @@ def suite() -> dict[str, Any]:
     with init_distributed(cp=_world()) as ctx:
         out: dict[str, Any] = {"rank": ctx.rank, "attention": attention_cases(ctx), "block": block_cases(ctx),
                                "traffic": traffic(ctx.cp_size)}
-        out["training"] = [training(ctx, m, lay) for m, lay in (("ring", "zigzag"), ("ring", "contiguous"),
-                                                                ("ulysses", "zigzag"))]
-        out["activations"] = {m: activation_bytes(ctx, m) for m in CORES}
+        out["training"] = [training_row(ctx, CPPlan(m, lay)) for m, lay in (("ring", "zigzag"), ("ring", "contiguous"),
+                                                                            ("ulysses", "zigzag"))]
+        out["activations"] = {m: activation_bytes(ctx, CPPlan(m, "zigzag"), seq_len=32) for m in CORES}
         out["gpt_step_bytes"] = {m: gpt_step_bytes(ctx, m) for m in CORES}
         one = ctx.with_grid(cp=1)
-        out["activations_cp1"] = {m: activation_bytes(one, m) for m in CORES}
+        out["activations_cp1"] = {m: activation_bytes(one, CPPlan(m, "zigzag"), seq_len=32) for m in CORES}
         if ctx.world_size == 4:
             two = ctx.with_grid(dp=2, cp=2)
-            out["training"] += [training(two, m, lay) for m, lay in (("ring", "zigzag"), ("ulysses", "contiguous"))]
+            out["training"] += [training_row(two, CPPlan(m, lay)) for m, lay in (("ring", "zigzag"),
+                                                                                 ("ulysses", "contiguous"))]
         return out
 

@@ -40,7 +40,7 @@ from lslm.models.gpt import GPT, GPTConfig
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.startup import init_distributed
 
-__all__ = ["CORES", "PLANS", "activation_bytes", "attention_rows", "suite", "training_row"]
+__all__ = ["CORES", "PLANS", "activation_bytes", "attention_rows", "suite", "token_batch", "training_row"]
 
 CORES = {"ring": ring_attention, "ulysses": ulysses_attention}
 PLANS = (("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "contiguous"), ("ulysses", "zigzag"))
@@ -85,7 +85,8 @@ def attention_rows(ctx: ParallelContext, batch: int = 2, n_head: int = 4, seq_le
     return rows
 
 
-def _batch(cfg: GPTConfig, batch: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def token_batch(cfg: GPTConfig, batch: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded batch of token ids and targets, every 7th target ignored (-100), the same on every rank."""
     gen = torch.Generator().manual_seed(2)
     idx = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen)  # lslm: cpu-ok (seeded host draw)
     targets = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen)  # lslm: cpu-ok (same)
@@ -96,7 +97,7 @@ def _batch(cfg: GPTConfig, batch: int, seq_len: int, device: torch.device) -> tu
 def training_row(ctx: ParallelContext, plan: CPPlan, steps: int = 3, seq_len: int = 32) -> dict[str, Any]:
     """The GPT trained ``steps`` SGD steps under ``dp × cp`` vs serially on the whole batch."""
     cfg = GPTConfig.tiny(block_size=seq_len)
-    idx, targets = _batch(cfg, 2 * ctx.dp_size, seq_len, ctx.device)
+    idx, targets = token_batch(cfg, 2 * ctx.dp_size, seq_len, ctx.device)
     torch.manual_seed(0)
     serial = GPT(cfg).to(ctx.device)
     model = apply_context_parallel(copy.deepcopy(serial), ctx, plan)
@@ -119,7 +120,7 @@ def training_row(ctx: ParallelContext, plan: CPPlan, steps: int = 3, seq_len: in
         losses.append(reported.item())
     ps, pm = serial.state_dict(), model.state_dict()
     return {"method": plan.method, "layout": plan.layout, "dp": ctx.dp_size, "cp": ctx.cp_size,
-            "losses": losses, "serial_losses": serial_losses,
+            "losses": losses, "serial_losses": serial_losses, "same_keys": list(ps) == list(pm),
             "loss_diff": max(abs(a - b) for a, b in zip(losses, serial_losses)),
             "param_diff": max(_maxdiff(ps[name], pm[name]) for name in ps)}
 
@@ -127,7 +128,7 @@ def training_row(ctx: ParallelContext, plan: CPPlan, steps: int = 3, seq_len: in
 def activation_bytes(ctx: ParallelContext, plan: CPPlan, seq_len: int = 64, batch: int = 2) -> int:
     """Bytes autograd keeps on this rank for one forward (and loss) of the context-parallel GPT."""
     cfg = GPTConfig.tiny(block_size=seq_len)
-    idx, targets = _batch(cfg, batch, seq_len, ctx.device)
+    idx, targets = token_batch(cfg, batch, seq_len, ctx.device)
     torch.manual_seed(0)
     model = apply_context_parallel(GPT(cfg).to(ctx.device), ctx, plan)
     idx_l, tgt_l = shard_batch(ctx, plan.layout, idx, targets)

@@ -58,7 +58,9 @@ Its one buffer holds the sequence-parallel parameters too; their sum over tp run
 views before the step (:func:`~lslm.tensor_parallel.grads.sync_sequence_parallel_grads`).
 ZeRO-2 does not compose here: it reduce-scatters each bucket during the backward of every
 micro-batch, before the tied embedding's two ends (and the sequence-parallel parameters over
-tp) could be summed.
+tp) could be summed. DeepSpeed's pipeline engine refuses the same ("ZeRO-2 and ZeRO-3 are
+incompatible with pipeline parallelism"), and Megatron-LM's distributed optimizer, the layout it
+shards under pipelines, is ZeRO-1's shape.
 """
 
 from __future__ import annotations
