@@ -23,7 +23,7 @@ def test_bad_settings_raise_value_error_naming_them() -> None:
     with pytest.raises(ValueError, match="does not divide world_size=6"):  # from run(): before the launch
         R.run(nproc=6, **SMALL)
     with pytest.raises(SystemExit) as exit_info:  # the command line: an argparse error, exit code 2
-        R.main(["--nproc", "8", "--zero", "2"])
+        R.main(["--nproc", "8", "--zero", "3"])
     assert exit_info.value.code == 2
     assert R.check_config(R.ThreeDConfig(**SMALL), 8) == 2
 

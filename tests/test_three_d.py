@@ -36,7 +36,8 @@ pytestmark = pytest.mark.usefixtures("lslm_cache")  # conftest.py: the recipe's 
 LOSS_ATOL, PARAM_ATOL, NORM_RTOL = 1e-5, 1e-5, 1e-5
 
 #: Every schedule family on dp = tp = pp = 2, with and without ZeRO-1 (ZeRO-1 with SP too), SP and tied embeddings;
-#: and two more shapes of 8 ranks (a 4-stage pipeline of tp pairs; 4 replicas of a tp pair, no pipeline).
+#: and more shapes of 8 ranks (a 4-stage pipeline of tp pairs; 4 replicas of a tp pair, no pipeline, with ZeRO-1,
+#: and with ZeRO-2 under SP: the sequence-parallel sum then runs on its gradient slices).
 CASES: list[dict[str, Any]] = [
     {"dp": 2, "tp": 2, "pp": 2, "schedule": "1f1b", "zero": 0, "tied": True},
     {"dp": 2, "tp": 2, "pp": 2, "schedule": "1f1b", "zero": 1, "tied": True},
@@ -47,6 +48,7 @@ CASES: list[dict[str, Any]] = [
     {"dp": 2, "tp": 2, "pp": 2, "schedule": "zb-h1", "zero": 1, "sp": True, "tied": True},
     {"dp": 1, "tp": 2, "pp": 4, "schedule": "1f1b", "zero": 0, "sp": True, "tied": True, "m": 4},
     {"dp": 4, "tp": 2, "pp": 1, "schedule": "1f1b", "zero": 1, "tied": True},
+    {"dp": 4, "tp": 2, "pp": 1, "schedule": "1f1b", "zero": 2, "sp": True, "tied": True},
 ]
 
 
@@ -146,7 +148,8 @@ def test_layout_of_eight_ranks_reads_as_the_formula() -> None:
 
 
 @pytest.mark.parametrize(("change", "match"), [
-    ({"zero": 2}, "ZeRO stages"),
+    ({"zero": 2}, "zero=2 with pp=2"),
+    ({"zero": 3}, "ZeRO stages"),
     ({"partition": "params"}, "equal blocks"),
 ])
 def test_check_3d_refuses_what_does_not_compose(change: dict[str, Any], match: str) -> None:

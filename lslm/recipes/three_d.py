@@ -17,7 +17,8 @@ sum over tp; each stage's gradients averaged over dp after its last backward, an
 embedding's two ends summed; with ``--recompute selective|full`` each block's attention core or
 whole forward runs again in its backward, :func:`lslm.tensor_parallel.recompute.apply_recompute`);
 then the baseline's AdamW with the global-norm clip over ``tp x pp``, or with ``--zero 1``
-:class:`~lslm.zero.optimizer.ZeroOptimizer` (reduce-scatter over dp, the norm over
+:class:`~lslm.zero.optimizer.ZeroOptimizer` (``--zero 2`` at ``pp = 1``: gradients reduce-scattered during
+backward, the sequence-parallel sum on the slices) (reduce-scatter over dp, the norm over
 ``dp x tp x pp``, this rank's slice stepped, all-gather).
 
 **Same run as the serial baseline**: ``batch_size`` is the global batch, each replica gets
@@ -68,7 +69,8 @@ class ThreeDConfig(PipelineConfig):
     tp: int = option(2, help="tensor-parallel size (ranks that split every layer, innermost)", ge=1)
     sequence_parallel: bool = option(False, help="split LayerNorm regions and stage-to-stage activations along "
                                                  "the sequence (Korthikanti et al. 2022)")
-    zero: int = option(0, help="0: average gradients over dp; 1: ZeRO-1 (optimizer states sharded over dp)",
+    zero: int = option(0, help="0: average gradients over dp; 1: ZeRO-1 (optimizer states sharded over dp); 2: "
+                               "ZeRO-2 (+ gradients; without pipeline stages, pp = 1)",
                        choices=ZERO_STAGES)
     recompute: str = option("none", help="activation recomputation per block: 'selective' (the attention core) or "
                                          "'full' (the whole block), Korthikanti et al. 2022 §5",
@@ -77,7 +79,7 @@ class ThreeDConfig(PipelineConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.precision != "fp32" and self.zero:
-            raise ValueError("--zero 1 runs in fp32 here (its half-precision modes own the cast); use --zero 0")
+            raise ValueError("--zero runs in fp32 here (its half-precision modes own the cast); use --zero 0")
         # The rules that do not depend on the world size (dp unknown yet: checked again by check_config).
         check_3d(plan3d_of(self), tp=self.tp, pp=self.pp, dp=self.dp or 1, n_layer=self.n_layer,
                  n_head=self.n_head, n_embd=self.n_embd, block_size=self.block_size, batch_size=self.batch_size,

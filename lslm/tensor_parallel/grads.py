@@ -30,7 +30,7 @@ from lslm.data_parallel.grad_buffer import buffers_of, has_main_grad
 from lslm.data_parallel.grad_sync import reduce_buffers, split_by_holder
 from lslm.runtime.context import ParallelContext
 
-__all__ = ["SP_GRAD_LABEL", "KV_GRAD_LABEL", "sequence_parallel_params", "sync_replicated_head_grads",
+__all__ = ["SP_GRAD_LABEL", "KV_GRAD_LABEL", "sequence_parallel_params", "sum_over_tp", "sync_replicated_head_grads",
            "sync_sequence_parallel_grads", "sync_tensor_parallel_grads"]
 
 SP_GRAD_LABEL = "sp-grad-sync"
@@ -59,7 +59,7 @@ def sync_sequence_parallel_grads(model: nn.Module, ctx: ParallelContext) -> int:
         if not all(has_main_grad(p) for p in params):
             raise ValueError("some sequence-parallel parameters hold .grad while the others live in a shared "
                              "gradient buffer: attach buffers to the whole model")
-        return _sum_over_tp([p.main_grad for p in params], ctx)
+        return sum_over_tp([p.main_grad for p in params], ctx)
     buffers, plain = split_by_holder(params)
     if buffers:
         if plain:
@@ -70,7 +70,7 @@ def sync_sequence_parallel_grads(model: nn.Module, ctx: ParallelContext) -> int:
     grads = [p.grad for p in plain if p.grad is not None]
     if not grads:
         return 0
-    return _sum_over_tp(grads, ctx)
+    return sum_over_tp(grads, ctx)
 
 
 def sync_replicated_head_grads(model: nn.Module, ctx: ParallelContext) -> int:
@@ -121,7 +121,7 @@ def sync_tensor_parallel_grads(model: nn.Module, ctx: ParallelContext) -> None:
     sync_replicated_head_grads(model, ctx)
 
 
-def _sum_over_tp(tensors: list[torch.Tensor], ctx: ParallelContext) -> int:
+def sum_over_tp(tensors: list[torch.Tensor], ctx: ParallelContext) -> int:
     """Sum ``tensors`` over the TP group in one all-reduce of their concatenation, written back; elements reduced."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
     ctx.comm.all_reduce(flat, group=ctx.tp_group, label=SP_GRAD_LABEL)

@@ -56,11 +56,15 @@ parameters): :meth:`ThreeDModel.step` then skips the executor's average and sums
 embedding itself, and the optimizer reduce-scatters, clips over ``dp x tp x pp`` and all-gathers.
 Its one buffer holds the sequence-parallel parameters too; their sum over tp runs on their
 views before the step (:func:`~lslm.tensor_parallel.grads.sync_sequence_parallel_grads`).
-ZeRO-2 does not compose here: it reduce-scatters each bucket during the backward of every
-micro-batch, before the tied embedding's two ends (and the sequence-parallel parameters over
-tp) could be summed. DeepSpeed's pipeline engine refuses the same ("ZeRO-2 and ZeRO-3 are
-incompatible with pipeline parallelism"), and Megatron-LM's distributed optimizer, the layout it
-shards under pipelines, is ZeRO-1's shape.
+``zero=2`` composes with tensor (and sequence) parallelism but not with pipeline stages: it
+reduce-scatters each bucket during the backward of every micro-batch, before a pipeline's tied
+embedding could be summed between its two ends. DeepSpeed's pipeline engine refuses the same
+("ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"), and Megatron-LM's distributed
+optimizer, the layout it shards under pipelines, is ZeRO-1's shape. At ``pp = 1`` the only sum
+left is sequence parallelism's over tp, and the optimizer runs it on its gradient slices (the tp
+ranks of one dp coordinate hold the same layout, so the same elements). ZeRO-3 composes with
+neither (it gathers whole units around a forward that tensor-parallel layers and pipeline stages
+split): that is FSDP2 over DTensor's territory (the torch-native run of notebook 09).
 """
 
 from __future__ import annotations
@@ -84,8 +88,9 @@ from lslm.tensor_parallel.grads import sync_tensor_parallel_grads
 
 __all__ = ["ZERO_STAGES", "ThreeDModel", "ThreeDPlan", "apply_3d", "check_3d", "stage_module_names"]
 
-#: The ZeRO stages that compose with tensor and pipeline parallelism here (0: plain data-parallel averaging).
-ZERO_STAGES = (0, 1)
+#: The ZeRO stages that compose with tensor and pipeline parallelism here (0: plain data-parallel averaging;
+#: 2 without pipeline stages only, see the module doc).
+ZERO_STAGES = (0, 1, 2)
 
 
 @dataclass
@@ -105,7 +110,12 @@ def check_3d(plan: ThreeDPlan, *, tp: int, pp: int, dp: int, n_layer: int, n_hea
     """
     if plan.zero not in ZERO_STAGES:
         raise ValueError(f"zero={plan.zero!r}: 3D parallelism here runs ZeRO stages {ZERO_STAGES} (0 = plain "
-                         "data-parallel averaging); stage 2 and 3 do not compose with pipeline stages (module doc)")
+                         "data-parallel averaging); stage 3 gathers whole units around a forward that tensor-"
+                         "parallel layers and pipeline stages split (module doc)")
+    if plan.zero == 2 and pp > 1:
+        raise ValueError(f"zero=2 with pp={pp}: ZeRO-2 reduce-scatters every micro-batch's gradients during its "
+                         "backward, before a pipeline's tied embedding could be summed between its ends (DeepSpeed's "
+                         "pipeline engine refuses it too); use zero=1 with pipeline stages, or pp=1")
     if plan.pipeline.partition != "layers":
         raise ValueError(f"partition={plan.pipeline.partition!r}: with tensor parallelism the stages are cut by "
                          "equal blocks ('layers'), the same on every tp rank whatever its shards")
@@ -153,7 +163,7 @@ class ThreeDModel:
 
     def step(self, x: torch.Tensor, y: torch.Tensor, *, loss_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of this replica's rows ``x -> y`` by the schedule; every gradient reduced as the
-        module doc's table says (the data-parallel part left to ZeRO-1 when ``plan.zero``). Returns the mean loss
+        module doc's table says (the data-parallel part left to ZeRO when ``plan.zero``). Returns the mean loss
         of the replica's rows, the same on every rank of the replica."""
         zero = self.plan.zero > 0
         loss = self.pipe.step(x, y, loss_scale=loss_scale, sync_grads=not zero)

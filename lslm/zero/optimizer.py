@@ -69,6 +69,7 @@ from lslm.models.deferred_init import is_meta, serial_leaves
 from lslm.precision.scaler import DynamicLossScaler
 from lslm.runtime.context import ParallelContext
 from lslm.tensor_parallel.clip import counts_in_norm
+from lslm.tensor_parallel.grads import sum_over_tp
 from lslm.zero.disk import DiskStates, check_writable, elementwise_state_keys
 from lslm.zero.layout import ShardLayout, shard_layout, unit_layout
 
@@ -149,6 +150,10 @@ class ZeroOptimizer:
         if ctx.grid.hsdp and ctx.tp_size * ctx.pp_size > 1:
             raise ValueError(f"HSDP (dp_shard={ctx.dp_shard_size} < dp={ctx.dp_size}) is implemented for pure data "
                              f"parallelism; with tp={ctx.tp_size}, pp={ctx.pp_size} leave dp_shard = dp")
+        if stage == 2 and ctx.tp_size > 1 and any(getattr(p, "replicated_heads", None) for p in model.parameters()):
+            raise ValueError("ZeRO stage 2 keeps gradient slices only, and key/value heads replicated over tensor-"
+                             "parallel ranks are summed slot by slot on whole gradients: use stage 1, or tp <= the "
+                             "number of key/value heads")
         if ctx.cp_size > 1:
             raise ValueError(f"cp={ctx.cp_size}: context-parallel ranks must also sum gradients; ZeroOptimizer "
                              "reduces over dp only")
@@ -166,9 +171,9 @@ class ZeroOptimizer:
             raise ValueError("an expert-parallel MoE's experts are divided by ep, not averaged over dp, and each dp "
                              "rank holds different experts: ZeroOptimizer shards one dp-averaged layout; train it with "
                              "lslm.expert_parallel.reduce_expert_parallel_grads and a plain optimizer")
-        if stage > 1 and any(grad_kind(p) == "sp" for p in params):
-            raise ValueError(f"ZeRO stage {stage} reduce-scatters gradients during backward, before the sequence-"
-                             "parallel sum over tp could run: use stage 1 with sequence parallelism")
+        if stage == 3 and any(grad_kind(p) == "sp" for p in params):
+            raise ValueError("ZeRO stage 3 gathers whole units, which sequence-parallel layers split over tp: use "
+                             "stage 1 or 2 with sequence parallelism")
         in_groups = [p for g in optimizer.param_groups for p in g["params"]]
         if {id(p) for p in in_groups} != {id(p) for p in params} or len(in_groups) != len(params):
             raise ValueError("optimizer must be built over exactly the model's trainable parameters, each once")
@@ -554,6 +559,8 @@ class ZeroOptimizer:
                 w.wait()
         else:
             self._finish_backward()
+            if self.ctx.tp_size > 1:
+                self._sum_sequence_parallel_pieces()
         if self.replicate_group is not None:  # HSDP: sum the shard groups' sums across replicas, slice by slice
             comm = self.ctx.comm
             works = [comm.all_reduce(s, group=self.replicate_group, async_op=True, label=REPLICATE_LABEL)
@@ -564,6 +571,16 @@ class ZeroOptimizer:
         for s in self._slices:
             s.mul_(1.0 / scale)  # the mean over ranks, unscaled (1/scale exact for a power of two)
         return self._slices
+
+    def _sum_sequence_parallel_pieces(self) -> None:
+        # Stage 2 under tensor parallelism: a sequence-parallel parameter's gradient is partial on each tp rank
+        # (each saw T/t positions; Korthikanti et al. 2022 §4.2.2), and only this rank's slices are left to sum.
+        # The tp ranks of one dp coordinate share the layout (same shapes, same order): summing the same pieces
+        # over tp sums the same elements, and the sum commutes with the dp reduce-scatter that made them.
+        views = [g for pc, g in zip(self.layout.pieces, self._piece_grads)
+                 if grad_kind(self.params[pc.param]) == "sp"]
+        if views:
+            sum_over_tp(views, self.ctx)
 
     def _attach_master_grads(self) -> None:
         if self.disk is not None:  # gradients go down chunk by chunk, into the disk buffers (_step_chunk)
