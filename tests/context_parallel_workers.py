@@ -11,7 +11,6 @@ import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from lslm.context_parallel import (
     CPGroup,
@@ -21,54 +20,19 @@ from lslm.context_parallel import (
     cp_traffic,
     local_positions,
     reduce_context_parallel_grads,
-    ring_attention,
     shard_batch,
-    ulysses_attention,
 )
 from lslm.context_parallel.apply import ContextParallelAttention
-from lslm.demos.cp_attention import activation_bytes, token_batch, training_row
+from lslm.demos.cp_attention import CORES, PLANS, activation_bytes, attention_rows, token_batch, training_row
 from lslm.models.gpt import GPT, Block, GPTConfig
 from lslm.runtime import init_distributed
 from lslm.runtime.context import ParallelContext
 
 B, H, T, D = 2, 4, 16, 8
-CORES = {"ring": ring_attention, "ulysses": ulysses_attention}
-PLANS = [("ring", "contiguous"), ("ring", "zigzag"), ("ulysses", "contiguous"), ("ulysses", "zigzag")]
 
 
 def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
-
-
-def attention_cases(ctx: ParallelContext) -> list[dict[str, Any]]:
-    """Ring / zig-zag ring / Ulysses vs full attention: output, dq, dk, dv, and the bytes the ledger saw."""
-    g, dev = CPGroup.of(ctx), ctx.device
-    gen = torch.Generator().manual_seed(0)  # drawn on the CPU (same numbers everywhere), then moved
-    q, k, v, dout = (torch.randn(B, H, T, D, generator=gen).to(dev) for _ in range(4))
-    rows = []
-    for method, layout in PLANS:
-        for causal in (True, False):
-            full = [t.clone().requires_grad_() for t in (q, k, v)]
-            ref = F.scaled_dot_product_attention(*full, is_causal=causal)
-            ref.backward(dout)
-            pos = local_positions(T, g.size, g.index, layout, device=dev)
-            mine = [t.index_select(2, pos).requires_grad_() for t in (q, k, v)]
-            records = ctx.comm.ledger.records
-            start = len(records)
-            out = CORES[method](*mine, g, causal=causal, layout=layout)
-            mid = len(records)
-            out.backward(dout.index_select(2, pos))
-            op = "send" if method == "ring" else "all_to_all"
-            rows.append({
-                "method": method, "layout": layout, "causal": causal, "cp": g.size,
-                "out": _maxdiff(out, ref.index_select(2, pos)),
-                "grad": max(_maxdiff(m.grad, f.grad.index_select(2, pos)) for m, f in zip(mine, full)),
-                "dq": _maxdiff(mine[0].grad, full[0].grad.index_select(2, pos)),
-                "forward_bytes": sum(r.nbytes for r in records[start:mid] if r.op == op),
-                "backward_bytes": sum(r.nbytes for r in records[mid:] if r.op == op),
-                "other_ops": sorted({r.op for r in records[start:]} - {op, "recv"}),
-            })
-    return rows
 
 
 def block_cases(ctx: ParallelContext) -> list[dict[str, Any]]:
@@ -120,7 +84,7 @@ def gpt_step_bytes(ctx: ParallelContext, method: str) -> dict[str, int]:
 
 
 def traffic(cp: int) -> dict[str, int]:
-    """The formula for the shapes of :func:`attention_cases`."""
+    """The formula for the shapes the attention rows use (``B, H, T, D``)."""
     return cp_traffic(B, H, T, D, cp)
 
 
@@ -131,8 +95,8 @@ def _world() -> int:
 def suite() -> dict[str, Any]:
     """Every check at cp = world size; at 4 processes also dp = 2 × cp = 2 training; cp = 1 for the memory ratio."""
     with init_distributed(cp=_world()) as ctx:
-        out: dict[str, Any] = {"rank": ctx.rank, "attention": attention_cases(ctx), "block": block_cases(ctx),
-                               "traffic": traffic(ctx.cp_size)}
+        out: dict[str, Any] = {"rank": ctx.rank, "attention": attention_rows(ctx, B, H, T, D),
+                               "block": block_cases(ctx), "traffic": traffic(ctx.cp_size)}
         out["training"] = [training_row(ctx, CPPlan(m, lay)) for m, lay in (("ring", "zigzag"), ("ring", "contiguous"),
                                                                             ("ulysses", "zigzag"))]
         out["activations"] = {m: activation_bytes(ctx, CPPlan(m, "zigzag"), seq_len=32) for m in CORES}

@@ -16,16 +16,14 @@ DeviceMesh for any rank of any world size in one process, in milliseconds.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lslm.launcher.launch import LaunchResults, launch
+from lslm.runtime.fake_world import fake_world  # noqa: F401 (re-exported: the tests import it from here)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEVICE_OF = {"gloo": "cpu", "nccl": "cuda"}
@@ -64,19 +62,3 @@ def run_workers(target: str, nproc: int, *, backend: str = "gloo", timeout: floa
     return launch(target, nproc=nproc, nnodes=nnodes, timeout=timeout, output="none",
                   env={"LSLM_BACKEND": backend, "LSLM_DEVICE": DEVICE_OF[backend]}, pythonpath=[str(REPO_ROOT)],
                   **kwargs)
-
-
-@contextmanager
-def fake_world(rank: int, world_size: int) -> Iterator[None]:
-    """This process as ``rank`` of a fake ``world_size``-rank world (torch's "fake" backend); torn down after."""
-    # The fake backend lives in torch's internal testing package: this is the one place that imports it.
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("a process group is already initialised in this test process")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():  # the code under test may have torn it down itself (exit_process)
-            dist.destroy_process_group()

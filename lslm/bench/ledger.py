@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lslm.runtime.fake_world import fake_world
 from lslm.runtime.ledger import Comm, CommLedger
 
 __all__ = ["main", "measure"]
@@ -80,14 +81,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.calls < 1 or args.rounds < 1:
         parser.error("--calls and --rounds must be >= 1")
     torch.set_num_threads(1)
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # internal API: only here
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
+    with fake_world(0, 2):
         rows = {style: measure(args.calls, args.rounds, async_op=style == "async")
                 for style in ("sync", "async")}
-    finally:
-        dist.destroy_process_group()
     lines = [f"per-call cost of an all-reduce of 1 float in torch's fake 2-rank group (no communication), "
              f"median of {args.rounds} rounds x {args.calls} calls (torch {torch.__version__})",
              "enabled: records with issue times (the default); timed: with completion times too (for timelines)",

@@ -52,7 +52,8 @@ def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def attention_rows(ctx: ParallelContext, batch: int = 2, n_head: int = 4, seq_len: int = 16,
                    head_dim: int = 8) -> list[dict[str, Any]]:
-    """Each core, layout and mask on this rank's rows vs full attention: output, gradients, ledger bytes."""
+    """Each core, layout and mask on this rank's rows vs full attention: output, gradients, ledger bytes (and
+    ``other_ops``: any other collective the core issued, which should be none)."""
     g, dev = CPGroup.of(ctx), ctx.device
     gen = torch.Generator().manual_seed(0)  # the same numbers on every rank and device
     q, k, v, dout = (torch.randn(batch, n_head, seq_len, head_dim,  # lslm: cpu-ok (seeded host draw, moved)
@@ -81,6 +82,7 @@ def attention_rows(ctx: ParallelContext, batch: int = 2, n_head: int = 4, seq_le
                 "forward_bytes": sum(r.nbytes for r in records[start:mid] if r.op == op),
                 "backward_bytes": sum(r.nbytes for r in records[mid:] if r.op == op),
                 "formula_forward": formula[want[0]], "formula_backward": formula[want[1]],
+                "other_ops": sorted({r.op for r in records[start:]} - {op, "recv"}),  # nothing else may travel
             })
     return rows
 

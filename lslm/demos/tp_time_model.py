@@ -14,7 +14,7 @@ The prediction for one forward + backward of lslm's GPT at tensor-parallel size 
 * **measured**: :func:`tp_worker` runs the ``t``-rank job on gloo, a barrier before every step, a step costing its
   slowest rank's time, the median over steps.
 
-The fake group is torch's internal testing API; :func:`_fake_world` is the one place that touches it.
+The fake group is torch's internal testing API, reached through :func:`lslm.runtime.fake_world.fake_world`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from lslm.metrics.collective_costs import fit_alpha_beta, model_time
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.runtime import init_distributed
 from lslm.runtime.context import ParallelContext
+from lslm.runtime.fake_world import fake_world
 from lslm.runtime.grid import RankGrid
 from lslm.tensor_parallel.apply import apply_tensor_parallel
 from lslm.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -46,17 +47,10 @@ ALGORITHM = {"all_reduce": "all_reduce_ring", "all_gather": "all_gather_ring",
 @contextmanager
 def _fake_world(world_size: int) -> Iterator[ParallelContext]:
     """This process as rank 0 of a ``world_size``-rank tensor-parallel world of torch's fake backend (no peers)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # internal API: only here
-
-    if dist.is_initialized():
-        raise RuntimeError("a process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
+    with fake_world(0, world_size):
         grid = RankGrid.build(world_size, tp=world_size)
         yield ParallelContext.create(grid, rank=0, local_rank=0, node_rank=0, device=torch.device("cpu"),
                                      backend="fake")
-    finally:
-        dist.destroy_process_group()
 
 
 def _data(cfg: GPTConfig, batch: int, seq: int, n: int, device: torch.device) -> list[torch.Tensor]:

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -31,6 +29,7 @@ from torch import nn
 
 from lslm.metrics.held import held_by_owner
 from lslm.models.gpt import GPT, GPTConfig
+from lslm.runtime.fake_world import fake_world
 
 __all__ = ["ENTRIES", "MODEL", "PICTURE_ENTRIES", "fake_world", "state_bytes_at_scale", "suite", "whole_picture"]
 
@@ -104,6 +103,19 @@ def _full_params(net: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
             for n, p in net.named_parameters()}
 
 
+def _serial_and_data(ctx: Any, model: dict[str, Any] | None, rows: int, steps: int) -> tuple[GPT, list[torch.Tensor]]:
+    """The serial GPT (seed 0, the same on every rank) and this rank's ``rows`` of ``steps`` global batches
+    (seed 1: every entry and every rank draws the same global batches)."""
+    torch.manual_seed(0)
+    serial = GPT(GPTConfig(**(model or MODEL)))
+    cfg, world, rank = serial.config, ctx.world_size, ctx.rank
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, cfg.vocab_size, (rows * world, cfg.block_size + 1),
+                          generator=g)[rank * rows:(rank + 1) * rows].to(ctx.device)  # lslm: cpu-ok (moved)
+            for _ in range(steps)]
+    return serial, data
+
+
 def suite(entries: list[str] | None = None, steps: int = STEPS, rows: int = ROWS,
           model: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every entry on this rank (see the module doc); every rank returns its bytes, rank 0 also the comparisons."""
@@ -113,13 +125,7 @@ def suite(entries: list[str] | None = None, steps: int = STEPS, rows: int = ROWS
     entries = list(entries or ENTRIES)
     with init_distributed(seed=0) as ctx:
         world, rank, ledger = ctx.world_size, ctx.rank, ctx.comm.ledger
-        torch.manual_seed(0)
-        serial = GPT(GPTConfig(**(model or MODEL)))
-        cfg = serial.config
-        g = torch.Generator().manual_seed(1)
-        data = [torch.randint(0, cfg.vocab_size, (rows * world, cfg.block_size + 1),
-                              generator=g)[rank * rows:(rank + 1) * rows].to(ctx.device)  # lslm: cpu-ok (moved)
-                for _ in range(steps)]
+        serial, data = _serial_and_data(ctx, model, rows, steps)
         out: dict[str, Any] = {"rank": rank, "world": world, "psi": sum(p.numel() for p in serial.parameters()),
                                "shapes": [list(p.shape) for p in serial.parameters()], "entries": {}}
         full: dict[str, dict[str, torch.Tensor]] = {}
@@ -184,13 +190,7 @@ def whole_picture(rows: int = ROWS, bucket_cap_mb: float = 0.1, model: dict[str,
 
     with init_distributed(seed=0) as ctx:
         world, rank = ctx.world_size, ctx.rank
-        torch.manual_seed(0)
-        serial = GPT(GPTConfig(**(model or MODEL)))
-        cfg = serial.config
-        g = torch.Generator().manual_seed(1)
-        data = [torch.randint(0, cfg.vocab_size, (rows * world, cfg.block_size + 1),
-                              generator=g)[rank * rows:(rank + 1) * rows].to(ctx.device)  # lslm: cpu-ok (moved)
-                for _ in range(2)]
+        serial, data = _serial_and_data(ctx, model, rows, 2)
         plain = copy.deepcopy(serial).to(ctx.device)
         with ActivationMemory(plain) as act:
             _, loss = plain(data[0][:, :-1], data[0][:, 1:])
@@ -215,25 +215,6 @@ def whole_picture(rows: int = ROWS, bucket_cap_mb: float = 0.1, model: dict[str,
                                     "staging": zero.peak_staging_bytes, "step_peak": int(live.peak[ctx.device.type]),
                                     "buckets": [z - a for a, z, _, _ in zero.buckets]}
     return out
-
-
-@contextmanager
-def fake_world(rank: int, world_size: int) -> Iterator[None]:
-    """This process as ``rank`` of a ``world_size``-rank world on PyTorch's "fake" backend (no data moves).
-
-    The backend's store lives in ``torch.testing._internal`` (internal: it may change without notice).
-    Raises ``RuntimeError`` if a process group is already up in this process.
-    """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("a process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def state_bytes_at_scale(worlds: tuple[int, ...] = (8, 16, 64), stages: tuple[int, ...] = (1, 2, 3),

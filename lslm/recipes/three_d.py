@@ -170,7 +170,8 @@ def build(cfg: ThreeDConfig, ctx: ParallelContext) -> Built:
 
 
 RECIPE = Recipe("lslm.recipes.three_d", ThreeDConfig, build, check_config,
-                "3D-parallel training: TP (+SP) inside pipeline stages, DP or ZeRO-1 across (torchrun, or --nproc).",
+                "3D-parallel training: TP (+SP) inside pipeline stages, DP or ZeRO-1 across, ZeRO-2 at pp = 1 "
+                "(torchrun, or --nproc).",
                 grid=lambda cfg: {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp})
 
 

@@ -9,6 +9,8 @@
 * :class:`Comm` / :class:`CommLedger` - recorded collectives and p2p: bytes, axis, label,
   issue times, and completion times when a timeline asks for them (``ledger.timed()``).
 * :func:`rank_print` / :func:`progress` - rank-0 printing and progress bars.
+* :func:`lslm.runtime.fake_world.fake_world` - this process as rank ``r`` of ``N`` on torch's fake backend
+  (real sharding and records, no peers): the at-scale byte checks run in one process.
 
 Launching jobs (``lslm.launch``) is :mod:`lslm.launcher`, a layer above this one; atomic file writes are
 :mod:`lslm.runtime.files`.
