@@ -251,6 +251,10 @@ class ZeroOptimizer:
                 base += hi - lo
         self._piece_grads = [self._slices[pc.bucket][pc.offset - self.layout.shards[pc.bucket][0]:][:pc.numel]
                              for pc in self.layout.pieces]
+        # Stage 2 under SP: the pieces of sequence-parallel parameters, summed over tp at each step (fixed views).
+        self._sp_piece_grads = ([g for pc, g in zip(self.layout.pieces, self._piece_grads)
+                                 if grad_kind(self.params[pc.param]) == "sp"]
+                                if stage == 2 and ctx.tp_size > 1 else [])
         # Masters: fp32 copies of this rank's pieces, taken before the cast (exact); fp32 needs none (see below).
         half = dtype != torch.float32
         self.offload = offload
@@ -559,7 +563,7 @@ class ZeroOptimizer:
                 w.wait()
         else:
             self._finish_backward()
-            if self.ctx.tp_size > 1:
+            if self._sp_piece_grads:
                 self._sum_sequence_parallel_pieces()
         if self.replicate_group is not None:  # HSDP: sum the shard groups' sums across replicas, slice by slice
             comm = self.ctx.comm
@@ -577,10 +581,7 @@ class ZeroOptimizer:
         # (each saw T/t positions; Korthikanti et al. 2022 §4.2.2), and only this rank's slices are left to sum.
         # The tp ranks of one dp coordinate share the layout (same shapes, same order): summing the same pieces
         # over tp sums the same elements, and the sum commutes with the dp reduce-scatter that made them.
-        views = [g for pc, g in zip(self.layout.pieces, self._piece_grads)
-                 if grad_kind(self.params[pc.param]) == "sp"]
-        if views:
-            sum_over_tp(views, self.ctx)
+        sum_over_tp(self._sp_piece_grads, self.ctx)
 
     def _attach_master_grads(self) -> None:
         if self.disk is not None:  # gradients go down chunk by chunk, into the disk buffers (_step_chunk)
