@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from typing import Any
 
 import pytest
 import torch
@@ -322,20 +324,54 @@ def test_rss_helpers() -> None:
     del big
 
 
-def _forbid_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    def boom(*args: object, **kwargs: object) -> None:
-        raise AssertionError("torch.cuda touched on the CPU path")
+#: The torch.cuda functions the CPU-path tests guard.
+GUARDED_CUDA = ("memory_allocated", "max_memory_allocated", "memory_reserved", "reset_peak_memory_stats",
+                "is_available", "current_device", "synchronize")
 
-    for name in (
-        "memory_allocated",
-        "max_memory_allocated",
-        "memory_reserved",
-        "reset_peak_memory_stats",
-        "is_available",
-        "current_device",
-        "synchronize",
-    ):
-        monkeypatch.setattr(torch.cuda, name, boom)
+
+def _forbid_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every guarded ``torch.cuda`` function raise when lslm calls it; torch's own calls go through.
+
+    torch probes CUDA itself on a machine with a GPU (``Adam.step`` calls ``torch.cuda.is_available()``
+    to choose its kernels), which says nothing about lslm's CPU path: so the caller's module decides.
+    A call from a module of the ``lslm`` package raises; any other caller gets the real function.
+    """
+
+    def guard(name: str, real: Any) -> Any:
+        def checked(*args: object, **kwargs: object) -> Any:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller == "lslm" or caller.startswith("lslm."):
+                raise AssertionError(f"torch.cuda.{name} called from {caller} on the CPU path")
+            return real(*args, **kwargs)
+
+        return checked
+
+    for name in GUARDED_CUDA:
+        monkeypatch.setattr(torch.cuda, name, guard(name, getattr(torch.cuda, name)))
+
+
+def test_forbid_cuda_catches_lslm_calls_and_lets_torch_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The guard must fail an lslm call (here: the device chooser's CUDA probe, and the CUDA branch of
+    # synchronize) and let the same function through when torch (or a test) calls it.
+    from lslm.runtime.startup import choose_device_and_backend, synchronize
+
+    available = torch.cuda.is_available()
+    _forbid_cuda(monkeypatch)
+    with pytest.raises(AssertionError, match=r"torch.cuda.is_available called from lslm.runtime.startup"):
+        choose_device_and_backend(0, 1, environ={})
+    with pytest.raises(AssertionError, match=r"torch.cuda.synchronize called from lslm.runtime.startup"):
+        synchronize(torch.device("cuda", 0))
+    assert torch.cuda.is_available() == available  # called from this test module: the real answer
+    # A caller inside torch: exec'd with a torch module's globals, so its frame's module is torch's.
+    from torch.optim import optimizer as torch_optimizer
+
+    scope = {"__name__": torch_optimizer.__name__, "torch": torch}
+    exec("result = torch.cuda.is_available()", scope)
+    assert scope["result"] == available
+    model = _linear()
+    opt = torch.optim.Adam(model.parameters())
+    _backward(model)
+    opt.step()  # torch's own probes (on a GPU machine Adam asks is_available()) pass
 
 
 def test_memory_report_cpu_never_touches_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
