@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lslm.harness import parse_config
 from lslm.models import GPT, GPTConfig, build_hf_gpt2, build_hf_llama
-from lslm.recipes.train import TrainConfig, main, train
+from lslm.recipes.train import TrainConfig, main, serial_device, train
 
 pytestmark = pytest.mark.usefixtures("lslm_cache")  # conftest.py: a per-session cache, never ~/.cache
 
@@ -171,7 +172,8 @@ def test_hf_bad_arguments() -> None:
 
 
 def test_training_lowers_loss_and_is_deterministic(tmp_path: Path) -> None:
-    cfg = TrainConfig(steps=20, out=str(tmp_path / "run.json"))
+    # On the CPU (bitwise reproducibility is the CPU's promise; CUDA kernels may sum in varying order).
+    cfg = TrainConfig(steps=20, out=str(tmp_path / "run.json"), device="cpu")
     first = train(cfg)
     losses = first["losses"]
     assert len(losses) == len(first["step_times_s"]) == 20
@@ -179,7 +181,7 @@ def test_training_lowers_loss_and_is_deterministic(tmp_path: Path) -> None:
     assert sum(losses[-3:]) / 3 < losses[0] - 0.7
     assert first["tokens_per_step"] == 8 * 64 and first["num_parameters"] == 235_264
     assert json.loads((tmp_path / "run.json").read_text())["losses"] == losses
-    second = train(TrainConfig(steps=20))
+    second = train(TrainConfig(steps=20, device="cpu"))
     assert second["losses"] == losses  # bitwise: same seed, same data, same losses
 
 
@@ -198,3 +200,34 @@ def test_train_config_validation() -> None:
         TrainConfig(n_embd=30, n_head=4)
     with pytest.raises(SystemExit):
         main(["--lr", "-1"])
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_train_device_auto_picks_cuda_0_when_there_is_a_gpu(monkeypatch: pytest.MonkeyPatch, gpus: int) -> None:
+    # The one-process rule of init_distributed: cuda:0 with any GPU, else the CPU; LSLM_DEVICE and --device override.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.delenv("LSLM_DEVICE", raising=False)
+    monkeypatch.setenv("LSLM_BACKEND", "nccl")  # meant for launched ranks: ignored by a one-process run
+    assert TrainConfig().device == "auto"
+    assert serial_device(TrainConfig().device) == (torch.device("cuda", 0) if gpus else torch.device("cpu"))
+    cfg, _ = parse_config(TrainConfig, ["--device", "cpu"])
+    assert serial_device(cfg.device) == torch.device("cpu")
+    monkeypatch.setenv("LSLM_DEVICE", "cpu")
+    assert serial_device("auto") == torch.device("cpu")
+    if gpus:
+        assert serial_device("cuda") == torch.device("cuda", 0)
+        with pytest.raises(ValueError, match="does not exist"):
+            serial_device(f"cuda:{gpus}")
+    else:
+        with pytest.raises(ValueError, match="no CUDA device is available"):
+            serial_device("cuda")
+
+
+def test_train_cli_device_cpu_overrides_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A (pretended) GPU machine: --device cpu still trains on the CPU, and the CLI says where it ran.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("LSLM_DEVICE", raising=False)
+    result = main(["--device", "cpu", "--steps", "1", "--n-layer", "1", "--batch-size", "2"])
+    assert result["device"] == "cpu"

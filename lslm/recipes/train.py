@@ -12,11 +12,18 @@ or ``fp16`` train a half-precision model whose fp32 master weights AdamW steps
 (:func:`lslm.precision.prepare_precision`), fp16 with a dynamic loss scaler that starts at
 ``--init-scale`` and skips the steps whose gradients overflow (counted in the record).
 
+``--device`` (default ``auto``): the rule of :func:`lslm.runtime.init_distributed` for one
+process, i.e. ``LSLM_DEVICE`` if set, else ``cuda:0`` when CUDA is available, else the CPU
+(:func:`serial_device`); ``--device cpu`` or ``--device cuda:1`` overrides it. The
+distributed recipes' configs inherit the field with the same ``auto``, which their
+process group resolves per rank.
+
 On CPU the run is bitwise reproducible: the same config gives the same losses.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +39,10 @@ from lslm.harness import Built, StepTimer, check_fields, option, parse_config, s
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.precision import PARAM_DTYPES, PRECISION_MODES, PrecisionSetup, prepare_precision
 from lslm.runtime.context import ParallelContext
+from lslm.runtime.startup import choose_device_and_backend
 
 __all__ = ["TrainConfig", "adamw", "build", "build_model", "data_stream", "grad_buffer_dtype", "main", "make_optimizer",
-           "precision_fields", "prepare_training", "replica_loader", "train"]
+           "precision_fields", "prepare_training", "replica_loader", "serial_device", "train"]
 
 
 @dataclass
@@ -64,7 +72,7 @@ class TrainConfig:
                                     "dtype (param)")
     # bookkeeping
     log_every: int = option(10, help="log the loss every this many steps", ge=1)
-    device: str = option("cpu", help="torch device of the run")
+    device: str = option("auto", help="torch device of the run; 'auto': cuda:0 when CUDA is available, else cpu")
     out: str | None = option(None, help="write the run log (JSON) to this path")
 
     def __post_init__(self) -> None:
@@ -75,6 +83,18 @@ class TrainConfig:
         """The :class:`GPTConfig` these settings describe."""
         return GPTConfig(vocab_size=self.vocab_size, block_size=self.block_size, n_layer=self.n_layer,
                          n_head=self.n_head, n_embd=self.n_embd, dropout=self.dropout)
+
+
+def serial_device(device: str = "auto") -> torch.device:
+    """The device of a one-process run: ``device`` unless it is ``"auto"``, else what ``init_distributed`` would
+    pick for a single rank (``LSLM_DEVICE`` if set, else ``cuda:0`` when CUDA is available, else the CPU).
+
+    Raises ValueError for a device this machine does not have (``"cuda"`` without CUDA, a GPU index past the last).
+    """
+    # One process talks to nobody: only LSLM_DEVICE applies (an LSLM_BACKEND meant for launched ranks must not make
+    # an explicit --device cpu an error). An explicit "cpu" never touches torch.cuda; "auto" asks is_available() only.
+    env = {k: v for k, v in os.environ.items() if k == "LSLM_DEVICE"}
+    return choose_device_and_backend(0, 1, device=None if device == "auto" else device, environ=env)[0]
 
 
 def build_model(cfg: TrainConfig, *, meta: bool = False) -> GPT:
@@ -154,8 +174,9 @@ def precision_fields(setup: PrecisionSetup, stepped: bool) -> dict[str, float]:
 
 
 def build(cfg: TrainConfig, ctx: ParallelContext | None = None) -> Built:
-    """The serial technique: the model on ``cfg.device`` (or ``ctx.device``) in ``cfg.precision``, AdamW, batches."""
-    device = ctx.device if ctx is not None else torch.device(cfg.device)
+    """The serial technique: the model on ``ctx.device``, else on ``cfg.device`` (:func:`serial_device`: ``auto`` picks
+    ``cuda:0`` when CUDA is available) in ``cfg.precision``, AdamW, batches."""
+    device = ctx.device if ctx is not None else serial_device(cfg.device)
     model = build_model(cfg).to(device)
     model.train()
     setup = prepare_training(model, cfg, ctx=ctx)
@@ -198,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = train(cfg)
     losses = result["losses"]
     ms = 1000 * sorted(result["step_s"])[len(losses) // 2]
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {cfg.steps} steps; "
+    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {cfg.steps} steps on {result['device']}; "
           f"median step {ms:.1f} ms; {result['num_parameters']:,} parameters"
           + (f"; wrote {cfg.out}" if cfg.out else ""))
     return result
