@@ -103,10 +103,9 @@ def test_recipe_configs_generate_their_command_lines() -> None:
     from lslm.recipes.ddp import DDPConfig
     from lslm.recipes.train import TrainConfig
 
-    ns = config_parser(DDPConfig).parse_args(["--variant", "fused", "--record-timeline", "--no-probe-no-sync",
+    ns = config_parser(DDPConfig).parse_args(["--variant", "fused", "--record-timeline", "--no-record-timeline",
                                               "--batch-size", "4", "--bucket-cap-mb", "0.5"])
-    assert (ns.variant, ns.record_timeline, ns.probe_no_sync, ns.batch_size, ns.bucket_cap_mb) == \
-        ("fused", True, False, 4, 0.5)
+    assert (ns.variant, ns.record_timeline, ns.batch_size, ns.bucket_cap_mb) == ("fused", False, 4, 0.5)
     assert "{" + ",".join(VARIANTS) + "}" in config_parser(DDPConfig).format_help()
     with pytest.raises(SystemExit):
         config_parser(DDPConfig).parse_args(["--variant", "nope"])

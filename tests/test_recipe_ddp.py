@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lslm.data.dataset import batches, token_blocks
 from lslm.recipes import ddp as R
 from lslm.recipes.train import TrainConfig, train
-from tests.helpers import run_workers
+from tests.helpers import nproc_backends, run_workers
 
 RTOL = 1e-5
 STEPS = 8
@@ -104,6 +104,7 @@ def test_two_process_ddp_reproduces_the_serial_run(variant: str, every_variant: 
         # The ranks see different rows, so their own losses differ; their mean is the global loss.
         assert r["local_losses"] != res[1 - r["rank"]]["local_losses"]
         assert len(r["step_s"]) == len(r["compute_s"]) == len(r["comm_exposed_s"]) == STEPS
+        _assert_durations_add_up(r)
         assert r["memory"]["model_state"]["params"] == 4 * r["num_parameters"]
         if variant != "torch":
             # The ledger: exactly the gradient bytes all-reduced in every step.
@@ -120,6 +121,35 @@ def test_two_process_ddp_reproduces_the_serial_run(variant: str, every_variant: 
             assert r["memory"]["by_owner"]["resident"]["gradients"] == {"cpu": r["grad_bytes"]}
         elif variant in ("naive", "torch"):
             assert sum(comm_buffers.values()) == 0
+
+
+def _assert_durations_add_up(r: dict) -> None:
+    """Every step: compute and exposed communication are non-negative, and together fit inside the step."""
+    for compute, exposed, step in zip(r["compute_s"], r["comm_exposed_s"], r["step_s"]):
+        assert compute >= 0 and exposed >= 0 and compute + exposed <= step
+
+
+def test_split_compute_comm_is_spans_between_ordered_marks() -> None:
+    from lslm.harness import Marks
+
+    m = Marks({"start": 10.0, "forward_end": 10.5, "grads_ready": 11.5, "backward_end": 11.75, "sync_end": 12.0,
+               "end": 12.5})
+    assert R.split_compute_comm(m, in_reducer=False) == {"compute_s": 1.75, "comm_exposed_s": 0.25}
+    assert R.split_compute_comm(m, in_reducer=True) == {"compute_s": 1.5, "comm_exposed_s": 0.5}
+    no_grads = Marks({k: v for k, v in m.times.items() if k != "grads_ready"})
+    with pytest.raises(ValueError, match="grads_ready"):
+        R.split_compute_comm(no_grads, in_reducer=True)
+
+
+@pytest.mark.parametrize("nproc,backend", nproc_backends(1, 2))
+def test_torch_ddp_exposed_comm_is_never_negative(nproc: int, backend: str) -> None:
+    # torch's DDP communicates inside backward(): the recipe splits it at the last gradient accumulated (a hook),
+    # in the same step. Step 0 pays the warm-up, which the former separate no_sync probe read as negative comm.
+    cfg = R.DDPConfig(**{**SMALL, "steps": 3}, batch_size=8, variant="torch", grad_accum=2, bucket_cap_mb=0.1)
+    res = run_workers("lslm.recipes.ddp:worker", nproc, backend=backend, timeout=180, **asdict(cfg))
+    for r in res:
+        assert len(r["comm_exposed_s"]) == 3
+        _assert_durations_add_up(r)
 
 
 def test_four_processes_with_gradient_accumulation() -> None:

@@ -214,7 +214,9 @@ def _bubbles(pipe: Any, recorded: list[Any], step_s: list[float], message: int,
     sim_unit = simulate(pipe.schedule)
     sim_meas = simulate(pipe.schedule, costs={k: c / costs["F"] for k, c in costs.items()})
     per_stage = _stage_costs(recorded)
-    outside = statistics.median(s - t.makespan() for s, t in zip(step_s, recorded))
+    # A difference of two clocks (the step's and the timeline's, whose ranks are aligned by a barrier only): clamped
+    # at 0, so a sub-millisecond misalignment never prints a negative duration.
+    outside = max(0.0, statistics.median(s - t.makespan() for s, t in zip(step_s, recorded)))
     message_s = p2p_seconds(fit, message)
     took = in_step_messages_s(recorded)
     in_step = statistics.fmean(took) if took else None

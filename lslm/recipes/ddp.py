@@ -25,11 +25,12 @@ epoch would repeat the first one's order.
 not read as free): ``compute_s`` = forward + backward (all micro-batches);
 ``comm_exposed_s`` = time in ``ddp.finish_grad_sync()``, the communication *not* hidden
 behind backward; ``optimizer_s`` = clipping + ``optimizer.step()``; ``step_s`` = all of it.
-``variant="torch"`` communicates inside ``loss.backward()``, so the split is
-*estimated*: before each step the same micro-batches run forward + backward under
-``no_sync()`` (no communication; gradients discarded); ``compute_s`` is that probe and
-``comm_exposed_s`` the rest of forward + backward (noisy, can be slightly negative).
-``probe_no_sync=False`` skips it. Also per step: the bytes and calls all-reduced
+``variant="torch"`` communicates inside ``loss.backward()`` (its reducer waits for the
+all-reduces at the end of backward), so the split is taken inside the same backward: a
+post-accumulate-grad hook on every parameter marks ``"grads_ready"`` (the later mark wins),
+so ``compute_s`` = start to the last gradient accumulated (of the last micro-batch) and
+``comm_exposed_s`` = from there until ``backward()`` returns; both are spans between marks
+of one step, never negative. Also per step: the bytes and calls all-reduced
 through the comm ledger with label ``"ddp-grad"`` (``comm_bytes``, ``comm_calls``; 0 for
 ``torch``, whose reducer the ledger cannot see). ``record_timeline=True`` keeps each
 step's marks next to the bucket events (for ``torch`` through a Python comm hook).
@@ -66,7 +67,8 @@ from lslm.runtime.context import ParallelContext
 from lslm.runtime.startup import run_then_exit
 
 __all__ = ["DDPConfig", "BaselineOrderSampler", "MODELS", "RECIPE", "SAMPLERS", "build", "check_config", "compare",
-           "make_sampler", "model_loss", "summarize", "worker", "run", "main", "GRAD_LABEL", "REPORT_LABEL"]
+           "make_sampler", "model_loss", "split_compute_comm", "summarize", "worker", "run", "main", "GRAD_LABEL",
+           "REPORT_LABEL"]
 
 MODELS = ("gpt", "hf_gpt2")
 
@@ -87,7 +89,6 @@ class DDPConfig(TrainConfig):
     sampler: str = option("baseline", choices=SAMPLERS, help="data order: the serial run's, or torch's shuffle")
     grad_accum: int = option(1, help="micro-batches per rank per step", ge=1)
     record_timeline: bool = option(False, help="keep every step's marks and bucket events")
-    probe_no_sync: bool = option(True, help="torch variant: estimate compute with a no_sync() probe")
     threads: int = option(0, help="torch.set_num_threads on every rank (0: what the launcher set)", ge=0)
 
     def __post_init__(self) -> None:
@@ -168,24 +169,33 @@ def build(cfg: DDPConfig, ctx: ParallelContext) -> Built:
     loader = DataLoader(blocks, batch_size=micro * cfg.grad_accum, sampler=sampler, drop_last=True)
     if len(loader) == 0:
         raise ValueError(f"batch_size={cfg.batch_size} exceeds the {len(blocks)} blocks available; lower it")
-    probe = cfg.variant == "torch" and cfg.probe_no_sync
-    probe_s = [0.0]
     figures: dict[str, float] = {}
+    in_reducer = cfg.variant == "torch"  # torch's reducer communicates inside backward(): split it by a hook
+    timing: list[StepTimer | None] = [None]  # the running step's timer, for the hooks
+
+    def grad_ready(_: torch.Tensor) -> None:
+        # Runs when a gradient has been accumulated into .grad, before torch's reducer waits for its all-reduces at
+        # the end of backward(); the latest mark wins, so "grads_ready" ends up at the last gradient of the last
+        # micro-batch (earlier no_sync micro-batches are compute: their hooks are overwritten). On CUDA the hook
+        # runs in the autograd engine's device thread with the stream of the backward op current (the stream the
+        # forward ran on, here the default one), so the event lands on the compute stream right after the gradient
+        # accumulation kernel, on the same stream as the "start" and "backward_end" events: the order of the marks,
+        # hence non-negative spans, holds.
+        if timing[0] is not None:
+            timing[0].mark("grads_ready")
+
+    if in_reducer:
+        for p in ddp.module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(grad_ready)
 
     def before_step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-        if probe:  # torch: time forward + backward without communication, then discard the gradients
-            optimizer.zero_grad()
-            timer = StepTimer(ctx.device)
-            timer.start()
-            with ddp.no_sync():
-                for xm, ym in zip(batch[0].split(micro), batch[1].split(micro)):
-                    (model_loss(ddp, xm, ym, cfg.model) / cfg.grad_accum).backward()
-            probe_s[0] = timer.stop().total
         if cfg.record_timeline:
             ddp.reset_timeline()
 
     def step(batch: tuple[torch.Tensor, torch.Tensor], timer: StepTimer) -> torch.Tensor:
         optimizer.zero_grad()
+        timing[0] = timer
         total = torch.zeros((), device=ctx.device)
         for j, (xm, ym) in enumerate(zip(batch[0].split(micro), batch[1].split(micro))):
             # Accumulate locally, synchronise once: only the last micro-batch all-reduces.
@@ -195,6 +205,7 @@ def build(cfg: DDPConfig, ctx: ParallelContext) -> Built:
                 optimizer.scale_loss(loss).backward()
             total += loss.detach()
         timer.mark("backward_end")
+        timing[0] = None
         ddp.finish_grad_sync()  # naive/fused: every all-reduce; bucketed: wait for the buckets in flight
         timer.mark("sync_end")
         stepped = optimizer.step(cfg.grad_clip if cfg.grad_clip > 0 else None)  # fp16: False if it overflowed
@@ -202,10 +213,7 @@ def build(cfg: DDPConfig, ctx: ParallelContext) -> Built:
         return total
 
     def per_step(m: Marks) -> dict[str, Any]:
-        fwd_bwd = m.span("start", "backward_end")
-        out: dict[str, Any] = {"compute_s": probe_s[0] if probe else fwd_bwd,
-                               "comm_exposed_s": fwd_bwd - probe_s[0] if probe else m.span("backward_end", "sync_end"),
-                               "optimizer_s": m.span("sync_end", "end"), **figures}
+        out: dict[str, Any] = {**split_compute_comm(m, in_reducer), "optimizer_s": m.span("sync_end", "end"), **figures}
         if cfg.record_timeline:
             out["timeline"] = {"t0": m["start"], "forward_end": m["forward_end"], "backward_end": m["backward_end"],
                                "sync_end": m["sync_end"], "step_end": m["end"], "events": list(ddp.timeline)}
@@ -220,6 +228,23 @@ def build(cfg: DDPConfig, ctx: ParallelContext) -> Built:
     return Built(model=ddp.module, optimizer=optimizer, step=step, batches=_blocks(loader, sampler, ctx.device),
                  device=ctx.device, before_step=before_step, per_step=per_step, count=("all_reduce", GRAD_LABEL),
                  log=log, info=info, name=f"ddp-{cfg.variant}", owners=(ddp,))
+
+
+def split_compute_comm(m: Marks, in_reducer: bool) -> dict[str, float]:
+    """This step's ``compute_s`` and ``comm_exposed_s`` from its marks, both spans between marks in step order.
+
+    Wrappers that synchronise after backward (``in_reducer=False``): compute = start to ``"backward_end"``, exposed
+    communication = ``"backward_end"`` to ``"sync_end"`` (``finish_grad_sync``). torch's DDP (``in_reducer=True``)
+    waits inside backward: compute = start to the last ``"grads_ready"`` (the last gradient accumulated), exposed
+    communication = from there to ``"backward_end"`` plus the (empty) ``finish_grad_sync``. Raises ValueError when a
+    mark is missing (a model with no trainable parameter never marks ``"grads_ready"``).
+    """
+    missing = [k for k in ("start", "backward_end", "sync_end") + (("grads_ready",) if in_reducer else ())
+               if k not in m.times]
+    if missing:
+        raise ValueError(f"the step's marks lack {missing}: has the model a parameter that requires grad?")
+    end_of_compute = "grads_ready" if in_reducer else "backward_end"
+    return {"compute_s": m.span("start", end_of_compute), "comm_exposed_s": m.span(end_of_compute, "sync_end")}
 
 
 RECIPE = Recipe("lslm.recipes.ddp", DDPConfig, build, check_config,
