@@ -6,6 +6,9 @@
 #                 so no "get notified about official Jupyter news?" pop-up; a learner's own settings still win)
 #   make test     install if needed, lint (ruff, then import-linter's layer contracts), run the whole test suite
 #                 (notebooks included)
+#   make gpu-check  on a machine with GPUs: the CUDA tests, NCCL test cases, every recipe on CUDA, lslm doctor and
+#                 calibration measurements, in under five minutes, into bench/results/gpu/<gpu>_<date>.json
+#                 (lslm.bench.gpu_check); without a GPU it says so and exits 0
 #
 # Variables (override on the command line, e.g. `make lab PORT=9999`):
 #   PYTHON       interpreter used to create .venv (Python >= 3.10)
@@ -33,7 +36,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.lslm-installed
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup lab test lint notebooks doctor clean
+.PHONY: setup lab test lint notebooks doctor gpu-check clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "lslm needs Python >= 3.10; set PYTHON=python3.x")'
@@ -73,6 +76,10 @@ notebooks: setup
 
 doctor: setup
 	$(BIN)/lslm doctor
+
+# Runs from the repository root (the test steps need tests/); `lslm gpu-check --dry-run` shows the plan anywhere.
+gpu-check: setup
+	$(BIN)/lslm gpu-check
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,5 +1,5 @@
 """The ``lslm`` command: ``lslm doctor`` checks a machine, ``lslm bench`` measures, ``lslm launch`` runs a worker,
-``lslm plan`` sizes a layout."""
+``lslm plan`` sizes a layout, ``lslm gpu-check`` checks the course on a GPU machine."""
 
 from __future__ import annotations
 
@@ -184,13 +184,15 @@ def _launch_command(ns: argparse.Namespace, parser: argparse.ArgumentParser, ext
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The ``lslm`` parser and its sub-command parsers by name (``doctor``, ``bench``, ``launch``, ``plan``)."""
+    """The ``lslm`` parser and its sub-command parsers by name (``doctor``, ``bench``, ``launch``, ``plan``,
+    ``gpu-check``)."""
     from lslm.bench import cli as bench_cli  # light: the benches themselves are imported when run
+    from lslm.bench import gpu_check
     from lslm.plan import cli as plan_cli
 
     parser = argparse.ArgumentParser(prog="lslm", description="lslm: large-scale LM training, from scratch",
                                      epilog="run `lslm COMMAND --help` for a command's options and examples")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{doctor,bench,launch,plan}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{doctor,bench,launch,plan,gpu-check}")
     p_doc = sub.add_parser("doctor", help="check versions, devices, backends and run a 2-process smoke job",
                            description="Print versions, devices and backends, run a small smoke job through "
                                        "lslm.launch, end with 'lslm doctor: OK' or 'lslm doctor: FAIL (...)'.")
@@ -207,7 +209,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                                         "formula; --search ranks the layouts that fit.",
                             epilog=plan_cli.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     plan_cli.add_arguments(p_plan)
-    return parser, {"doctor": p_doc, "bench": p_bench, "launch": p_launch, "plan": p_plan}
+    p_gpu = sub.add_parser("gpu-check", help="on a GPU machine: CUDA tests, every recipe on CUDA, doctor, "
+                                             "calibration; one JSON (make gpu-check)",
+                           description=gpu_check.__doc__.split("\n\n")[0].split(": ", 1)[-1])
+    gpu_check.add_arguments(p_gpu)
+    return parser, {"doctor": p_doc, "bench": p_bench, "launch": p_launch, "plan": p_plan, "gpu-check": p_gpu}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         from lslm.plan import cli as plan_cli
 
         return plan_cli.run(ns, commands["plan"])
+    if ns.command == "gpu-check":
+        from lslm.bench import gpu_check
+
+        return gpu_check.run(ns)
     if ns.command == "doctor":
         if ns.nproc < 1:
             commands["doctor"].error(f"--nproc must be >= 1, got {ns.nproc}")

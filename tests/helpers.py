@@ -16,6 +16,7 @@ DeviceMesh for any rank of any world size in one process, in milliseconds.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,30 @@ from lslm.runtime.fake_world import fake_world  # noqa: F401 (re-exported: the t
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEVICE_OF = {"gloo": "cpu", "nccl": "cuda"}
+#: the torch.cuda functions :func:`forbid_cuda_from_lslm` guards by default
+GUARDED_CUDA = ("memory_allocated", "max_memory_allocated", "memory_reserved", "reset_peak_memory_stats",
+                "is_available", "device_count", "current_device", "synchronize", "get_device_name", "Event")
+
+
+def forbid_cuda_from_lslm(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...] = GUARDED_CUDA) -> None:
+    """Make each ``torch.cuda.<name>`` raise when lslm calls it; torch's own calls (and the tests') go through.
+
+    torch probes CUDA itself on a machine with a GPU (``Adam.step`` calls ``torch.cuda.is_available()``
+    to choose its kernels), which says nothing about lslm's CPU path: so the caller's module decides.
+    A call from a module of the ``lslm`` package raises AssertionError; any other caller gets the real function.
+    """
+
+    def guard(name: str, real: Any) -> Any:
+        def checked(*args: object, **kwargs: object) -> Any:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller == "lslm" or caller.startswith("lslm."):
+                raise AssertionError(f"torch.cuda.{name} called from {caller} on the CPU path")
+            return real(*args, **kwargs)
+
+        return checked
+
+    for name in names:
+        monkeypatch.setattr(torch.cuda, name, guard(name, getattr(torch.cuda, name)))
 
 
 def visible_gpus() -> int:

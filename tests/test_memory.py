@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
-from typing import Any
 
 import pytest
 import torch
@@ -29,6 +27,7 @@ from lslm.metrics import (
     reset_peak_memory,
     theory_model_state_bytes,
 )
+from tests.helpers import forbid_cuda_from_lslm
 
 F32 = 4
 PSI = 10 * 7 + 7  # nn.Linear(10, 7): weight + bias elements
@@ -324,30 +323,8 @@ def test_rss_helpers() -> None:
     del big
 
 
-#: The torch.cuda functions the CPU-path tests guard.
-GUARDED_CUDA = ("memory_allocated", "max_memory_allocated", "memory_reserved", "reset_peak_memory_stats",
-                "is_available", "current_device", "synchronize")
-
-
 def _forbid_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make every guarded ``torch.cuda`` function raise when lslm calls it; torch's own calls go through.
-
-    torch probes CUDA itself on a machine with a GPU (``Adam.step`` calls ``torch.cuda.is_available()``
-    to choose its kernels), which says nothing about lslm's CPU path: so the caller's module decides.
-    A call from a module of the ``lslm`` package raises; any other caller gets the real function.
-    """
-
-    def guard(name: str, real: Any) -> Any:
-        def checked(*args: object, **kwargs: object) -> Any:
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            if caller == "lslm" or caller.startswith("lslm."):
-                raise AssertionError(f"torch.cuda.{name} called from {caller} on the CPU path")
-            return real(*args, **kwargs)
-
-        return checked
-
-    for name in GUARDED_CUDA:
-        monkeypatch.setattr(torch.cuda, name, guard(name, getattr(torch.cuda, name)))
+    forbid_cuda_from_lslm(monkeypatch)  # tests/helpers.py: lslm's calls raise, torch's own probes go through
 
 
 def test_forbid_cuda_catches_lslm_calls_and_lets_torch_probe(monkeypatch: pytest.MonkeyPatch) -> None:

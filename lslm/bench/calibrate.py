@@ -1,0 +1,197 @@
+"""Calibration measurements of one device: what the calculator's presets and the course's GPU claims rest on.
+
+Four parts, each a list of rows whose field names are those of the shared H200 file
+(``../shared/gpu/h200_2026-11-28.json``), so one reader takes both:
+
+* ``gemm``: bf16 ``a @ w.t()`` for a transformer layer's four GEMMs (``qkv``, ``proj``, ``fc1``, ``fc2``):
+  ``tokens, hidden, gemm, n, k, s, tflops`` (``2·tokens·n·k`` flops);
+* ``attention``: ``F.scaled_dot_product_attention``, causal, bf16, forward + backward:
+  ``head_dim, seq, batch, heads, s_fwd_bwd, tflops`` (flops ``3.5 x 4·B·H·s²·d / 2``: two forward matmuls,
+  backward 2.5x the forward, half of the square under the causal mask);
+* ``adamw``: one ``torch.optim.AdamW.step`` (fused on CUDA) over fp32 parameters:
+  ``params, s, gbytes_per_s`` (28 bytes per parameter: read p, g, m, v; write p, m, v);
+* ``gpt``: lslm's GPT trained in bf16 autocast with AdamW: ``step_s, tokens_per_s, mfu`` (flops
+  ``6·N·tokens + 6·L·h·s²·B``, over ``peak_bf16_dense``) and allocator bytes on CUDA
+  (``mem_states_bytes`` before the forward, ``mem_peak_bytes`` during forward + backward, their difference
+  ``mem_activation_bytes``, ``reserved_bytes``; None on the CPU).
+
+Every time is a median over repeats after warm-ups, timed with CUDA events on a GPU (the stream's own
+time, not the host's queueing) and ``perf_counter`` on the CPU, where ops are synchronous and
+``torch.cuda`` is never touched. :data:`SIZES` holds the GPU sizes (small enough for the whole
+``lslm gpu-check`` to stay under five minutes) and tiny CPU sizes that only exercise the code paths.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["PEAK_BF16_DENSE", "SIZES", "adamw", "attention", "gemm", "gpt", "peak_flops", "time_median"]
+
+#: Dense bf16 peak by GPU name (vendor datasheets, no sparsity): the MFU denominators. Unknown GPU: MFU is None.
+PEAK_BF16_DENSE = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
+
+#: sizes per part: "gpu" for a real check, "tiny" for the CPU dry run (code paths and JSON only)
+SIZES: dict[str, dict[str, Any]] = {
+    "gpu": {"gemm": {"tokens": (2048, 8192), "hidden": (768, 2048, 4096)},
+            "attention": {"head_dim": (64, 128), "seq": (1024, 4096, 8192), "tokens": 16384},
+            "adamw": {"params": (25_000_000, 100_000_000)},
+            "gpt": [{"name": "124M", "n_layer": 12, "n_embd": 768, "n_head": 12, "micro_batch": 4},
+                    {"name": "350M", "n_layer": 24, "n_embd": 1024, "n_head": 16, "micro_batch": 4}],
+            "gpt_seq": 2048, "gpt_vocab": 50304, "repeats": 10},
+    "tiny": {"gemm": {"tokens": (64,), "hidden": (32,)},
+             "attention": {"head_dim": (16,), "seq": (64,), "tokens": 128},
+             "adamw": {"params": (10_000,)},
+             "gpt": [{"name": "tiny", "n_layer": 1, "n_embd": 32, "n_head": 2, "micro_batch": 2}],
+             "gpt_seq": 32, "gpt_vocab": 256, "repeats": 2},
+}
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The dense bf16 peak of the GPU called ``device_name`` (from :data:`PEAK_BF16_DENSE`), else None."""
+    for key, value in PEAK_BF16_DENSE.items():
+        if key.lower() in device_name.lower():
+            return value
+    return None
+
+
+def time_median(fn: Callable[[], Any], device: torch.device, *, warmup: int = 2, repeats: int = 10) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed ones.
+
+    On CUDA each call is bracketed by two events on the current stream and the host waits for the
+    second (the kernels' time, not their launch); on the CPU ``perf_counter`` (ops are synchronous).
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gemm(device: torch.device, sizes: dict[str, Any], repeats: int = 10) -> list[dict[str, Any]]:
+    """bf16 GEMM throughput of a layer's four shapes at each token count and hidden size."""
+    out = []
+    for tokens in sizes["tokens"]:
+        for h in sizes["hidden"]:
+            for name, (n, k) in {"qkv": (3 * h, h), "proj": (h, h), "fc1": (4 * h, h), "fc2": (h, 4 * h)}.items():
+                a = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
+                w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+                s = time_median(lambda a=a, w=w: a @ w.t(), device, warmup=3, repeats=repeats)
+                out.append({"tokens": tokens, "hidden": h, "gemm": name, "n": n, "k": k, "s": s,
+                            "tflops": 2 * tokens * n * k / s / 1e12})
+    return out
+
+
+def attention(device: torch.device, sizes: dict[str, Any], repeats: int = 5) -> list[dict[str, Any]]:
+    """Causal attention forward + backward throughput by head dim and sequence (``tokens`` per call in total)."""
+    out = []
+    for d in sizes["head_dim"]:
+        heads = 16 if d <= 64 else 8  # about 1K model width either way, as the shared file
+        for seq in sizes["seq"]:
+            batch = max(1, sizes["tokens"] // seq)
+            q, k, v = (torch.randn(batch, heads, seq, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            grad = torch.randn(batch, heads, seq, d, device=device, dtype=torch.bfloat16)
+
+            def step(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v, grad: torch.Tensor = grad) -> None:
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+            s = time_median(step, device, warmup=2, repeats=repeats)
+            flops = 3.5 * 4 * batch * heads * seq * seq * d / 2
+            out.append({"head_dim": d, "seq": seq, "batch": batch, "heads": heads, "s_fwd_bwd": s,
+                        "tflops": flops / s / 1e12})
+    return out
+
+
+def adamw(device: torch.device, sizes: dict[str, Any], repeats: int = 5) -> list[dict[str, Any]]:
+    """One AdamW step's time and state traffic (28 bytes per fp32 parameter) by parameter count."""
+    out = []
+    fused = device.type == "cuda"  # the fused kernel is the GPU's fast path; the CPU row only checks the code
+    for n in sizes["params"]:
+        p = torch.nn.Parameter(torch.randn(n, device=device))
+        p.grad = torch.randn(n, device=device)
+        opt = torch.optim.AdamW([p], lr=1e-4, fused=fused)
+        s = time_median(opt.step, device, warmup=2, repeats=repeats)
+        out.append({"params": n, "s": s, "gbytes_per_s": 28 * n / s / 1e9, "fused": fused})
+        del p, opt
+    return out
+
+
+def _memory(device: torch.device, what: str) -> int | None:
+    if device.type != "cuda":
+        return None  # the CPU has no allocator statistics (and the CPU path never touches torch.cuda)
+    return {"allocated": torch.cuda.memory_allocated, "peak": torch.cuda.max_memory_allocated,
+            "reserved": torch.cuda.memory_reserved}[what](device)
+
+
+def gpt(device: torch.device, sizes: dict[str, Any], peak: float | None, repeats: int = 6) -> list[dict[str, Any]]:
+    """lslm's GPT (untied head) trained in bf16 autocast with AdamW: step time, MFU and allocator bytes per size.
+
+    A size that fails (out of memory on a small GPU) gives a row with ``error`` instead of stopping the rest.
+    """
+    from lslm.models.gpt import GPT, GPTConfig
+
+    seq, vocab = sizes["gpt_seq"], sizes["gpt_vocab"]
+    out = []
+    for spec in sizes["gpt"]:
+        row: dict[str, Any] = {"name": spec["name"], "n_layer": spec["n_layer"], "n_embd": spec["n_embd"],
+                               "n_head": spec["n_head"], "seq": seq, "micro_batch": spec["micro_batch"],
+                               "vocab": vocab, "compiled": False}
+        try:
+            row.update(_gpt_one(device, spec, seq, vocab, peak, repeats, GPT, GPTConfig))
+        except (RuntimeError, ValueError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        out.append(row)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the next size starts from an empty cache, as its memory figures assume
+    return out
+
+
+def _gpt_one(device: torch.device, spec: dict[str, Any], seq: int, vocab: int, peak: float | None, repeats: int,
+             gpt_cls: Any, cfg_cls: Any) -> dict[str, Any]:
+    L, h, batch = spec["n_layer"], spec["n_embd"], spec["micro_batch"]
+    torch.manual_seed(0)
+    model = gpt_cls(cfg_cls(vocab_size=vocab, block_size=seq, n_layer=L, n_head=spec["n_head"], n_embd=h,
+                            tie_weights=False)).to(device)
+    n = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    idx = torch.randint(0, vocab, (batch, seq), device=device)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    first = time_median(step, device, warmup=0, repeats=1)  # allocations, kernel selection: reported apart
+    before = _memory(device, "allocated")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    s = time_median(step, device, warmup=1, repeats=repeats)
+    peak_bytes = _memory(device, "peak")
+    flops = 6 * n * batch * seq + 6 * L * h * seq * seq * batch
+    return {"params": n, "first_step_s": first, "step_s": s, "tokens_per_s": batch * seq / s,
+            "mfu": flops / s / peak if peak else None, "mem_states_bytes": before, "mem_peak_bytes": peak_bytes,
+            "mem_activation_bytes": None if before is None else peak_bytes - before,
+            "reserved_bytes": _memory(device, "reserved")}
