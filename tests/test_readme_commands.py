@@ -65,7 +65,9 @@ PLAN_SEARCH = "lslm plan --model llama3-8b --devices 8 --search --flash"
 
 #: run exactly as written
 PLAN_VALIDATE = "lslm plan --validate"
-AS_WRITTEN = {LAUNCH_SMOKE, "lslm launch --help", "lslm bench ddp --help", PLAN, PLAN_SEARCH, PLAN_VALIDATE}
+GPU_CHECK_DRY_RUN = "lslm gpu-check --dry-run"
+AS_WRITTEN = {LAUNCH_SMOKE, "lslm launch --help", "lslm bench ddp --help", PLAN, PLAN_SEARCH, PLAN_VALIDATE,
+              GPU_CHECK_DRY_RUN}
 
 #: README command -> (options appended, or {placeholder: value}); why this is the smallest meaningful run
 SMALLEST: dict[str, tuple[str | dict[str, str], str]] = {
@@ -108,6 +110,8 @@ SKIP = {
     "make test": f"is the whole suite, this test included; {_MAKE_DRY_RUN}",
     "make lab PORT=9999": f"as `make lab`; {_MAKE_DRY_RUN}",
     "make doctor": f"runs `lslm doctor`, which tests/test_setup.py runs; {_MAKE_DRY_RUN}",
+    "make gpu-check": f"needs a GPU (without one it exits 0 at once); tests/test_gpu_check.py runs its no-GPU exit and "
+                      f"its dry run, which this test also runs as written; {_MAKE_DRY_RUN}",
     "make notebooks": f"re-executes every notebook in place (minutes, rewrites committed files); nbval runs "
                       f"them under `make test`; {_MAKE_DRY_RUN}",
     "make clean": f"deletes the environment this test runs in; {_MAKE_DRY_RUN}",
@@ -124,6 +128,7 @@ SKIP = {
 #: inline code in the prose that looks like a command but is not a fenced one -> what covers it
 INLINE_MENTIONS = {
     "lslm doctor": "`make doctor` runs it; tests/test_setup.py::test_lslm_doctor_says_ok",
+    "lslm gpu-check": "`make gpu-check` runs it; tests/test_gpu_check.py (no GPU: the exit, and the dry run)",
     "source .venv/bin/activate": "activates the environment; this test runs inside it already",
     ".venv/bin/lslm": "a program name: the console script the `lslm ...` commands run",
     "python -m torch.distributed.run": "prose saying what `lslm.launch` runs (torchrun), not a command",
@@ -289,6 +294,12 @@ def test_plan_commands_as_written(in_tmp: Path) -> None:
     assert rc == 0 and "-- roofline" in out, out
     rc, out = _run_lslm(shlex.split(PLAN_SEARCH))
     assert rc == 0 and "fastest layouts that fit" in out, out
+
+
+def test_gpu_check_dry_run_as_written(in_tmp: Path) -> None:
+    rc, out = _run_lslm(shlex.split(GPU_CHECK_DRY_RUN))
+    assert rc == 0 and "lslm gpu-check: OK" in out, out
+    assert len(list((in_tmp / "runs" / "gpu-check").glob("dry-run_*.json"))) == 1
 
 
 def test_python_block(in_tmp: Path) -> None:
