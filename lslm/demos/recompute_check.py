@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lslm.metrics.activation_theory import recompute_extra_flops, recompute_layer_bytes
 from lslm.metrics.activations import ActivationMemory
-from lslm.tensor_parallel.recompute import RECOMPUTE_MODES, apply_recompute
+from lslm.tensor_parallel.recompute import RECOMPUTE_MODES, apply_recompute, recompute
 
 __all__ = ["AUTOCAST_DTYPES", "autocast_rows", "autocast_table", "measure_block", "serial_rows", "table", "tp_rows",
            "tp_worker"]
@@ -126,6 +126,14 @@ def _autocast_grads(model: nn.Module, x: torch.Tensor, dtype: torch.dtype | None
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _replayed_outside_autocast(inner: Any) -> Any:
+    def run(*inputs: torch.Tensor) -> torch.Tensor:
+        # recompute() runs the forward without gradients and the replay with them: switch autocast off there only
+        with torch.autocast("cpu", enabled=torch.is_autocast_enabled("cpu") and not torch.is_grad_enabled()):
+            return inner(*inputs)
+    return run
+
+
 def autocast_rows(precisions: tuple[str, ...] = ("bf16", "fp16"), *, batch: int = 2, dropout: float = 0.1,
                   seed: int = 0, **overrides: Any) -> list[dict[str, Any]]:
     """Gradients of the course GPT (``GPTConfig.tiny(**overrides)``) with each recompute mode (and with
@@ -134,7 +142,9 @@ def autocast_rows(precisions: tuple[str, ...] = ("bf16", "fp16"), *, batch: int 
 
     One row per (precision, mode): ``max_abs_diff`` (the largest ``|g - g_none|`` over all parameters),
     ``max_rel_diff`` (the worst tensor's ``max |g - g_none| / max |g_none|``) and ``identical`` (every gradient
-    equal bit for bit).
+    equal bit for bit). The mode ``"full, fp32 replay"`` is the negative control: :func:`recompute` on the
+    blocks with the replay forced out of autocast, what lslm's replays did before they re-entered the
+    forward's autocast.
     """
     from functools import partial
 
@@ -149,17 +159,20 @@ def autocast_rows(precisions: tuple[str, ...] = ("bf16", "fp16"), *, batch: int 
     for precision in precisions:
         dtype = None if precision == "fp32" else AUTOCAST_DTYPES[precision]
         grads = {}
-        for mode in (*RECOMPUTE_MODES, "torch checkpoint"):
+        for mode in (*RECOMPUTE_MODES, "torch checkpoint", "full, fp32 replay"):
             torch.manual_seed(seed)
             model = GPT(config).train()
             if mode == "torch checkpoint":  # torch's own, on the same blocks: records and re-enters autocast
                 for block in model.blocks:
                     block.forward = partial(checkpoint, block.forward, use_reentrant=False)
+            elif mode == "full, fp32 replay":
+                for block in model.blocks:
+                    block.forward = partial(recompute, _replayed_outside_autocast(block.forward))
             else:
                 apply_recompute(model, mode)
             grads[mode] = _autocast_grads(model, x, dtype, seed + 2)
         base = grads["none"]
-        for mode in ("selective", "full", "torch checkpoint"):
+        for mode in ("selective", "full", "torch checkpoint", "full, fp32 replay"):
             diffs = {n: (grads[mode][n].float() - base[n].float()).abs().max().item() for n in base}
             rel = max(diffs[n] / base[n].abs().max().item() for n in base if base[n].abs().max() > 0)
             rows.append({"precision": precision, "mode": mode, "max_abs_diff": max(diffs.values()),
