@@ -19,13 +19,14 @@ from lslm.tensor_parallel.grads import sync_tensor_parallel_grads
 from lslm.tensor_parallel.recompute import RECOMPUTE_MODES, apply_recompute
 from lslm.three_d import ThreeDPlan, apply_3d
 
-__all__ = ["pipeline_suite", "suite"]
+__all__ = ["autocast_suite", "pipeline_suite", "suite"]
 
 B, T = 2, 16
 CONFIG = dict(vocab_size=64, block_size=T, n_layer=2, n_head=4, n_embd=32, dropout=0.1)
 
 
-def _grads(ctx: Any, mode: str, sp: bool, rng: tuple[Any, Any]) -> tuple[float, dict[str, torch.Tensor]]:
+def _grads(ctx: Any, mode: str, sp: bool, rng: tuple[Any, Any],
+           dtype: torch.dtype | None = None) -> tuple[float, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = apply_tensor_parallel(GPT(GPTConfig(**CONFIG)), ctx, sequence_parallel=sp, rng_seed=1)
     torch.set_rng_state(rng[0])  # every mode draws from the same default and tensor-parallel streams
@@ -36,9 +37,10 @@ def _grads(ctx: Any, mode: str, sp: bool, rng: tuple[Any, Any]) -> tuple[float, 
     else:
         apply_recompute(model, mode, ctx)
     x = torch.randint(0, CONFIG["vocab_size"], (B, T + 1), generator=torch.Generator().manual_seed(5))
-    logits, _ = model(x[:, :-1])
-    loss = vocab_parallel_cross_entropy(logits, x[:, 1:], ctx, vocab_size=CONFIG["vocab_size"])
-    loss.backward()
+    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        logits, _ = model(x[:, :-1])
+        loss = vocab_parallel_cross_entropy(logits.float(), x[:, 1:], ctx, vocab_size=CONFIG["vocab_size"])
+    loss.backward()  # outside autocast (torch's AMP recipe): the recomputations run here
     sync_tensor_parallel_grads(model, ctx)
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -60,6 +62,28 @@ def suite() -> dict[str, Any]:
                                      "max_grad": max(g.abs().max().item() for g in base.values())}
         ctx.rng = None
     out["rows"] = tp_rows(ctx)
+    return out
+
+
+def autocast_suite(sps: tuple[bool, ...] = (False, True)) -> dict[str, Any]:
+    """Under CPU bf16 and fp16 autocast (forward inside, backward outside), tp = 2, dropout on, with and without
+    sequence parallelism: each recompute mode's loss and gradients against none."""
+    ctx = init_distributed(tp=2)
+    out: dict[str, Any] = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        for sp in sps:
+            torch.manual_seed(0)
+            ctx.rng = None
+            apply_tensor_parallel(GPT(GPTConfig(**CONFIG)), ctx, sequence_parallel=sp, rng_seed=1)
+            rng = (torch.get_rng_state(), ctx.rng.get_states())
+            runs = {m: _grads(ctx, m, sp, rng, dtype) for m in RECOMPUTE_MODES}
+            base_loss, base = runs["none"]
+            for mode, (loss, grads) in runs.items():
+                out[f"{name}_{mode}_sp{sp}"] = {
+                    "loss_equal": loss == base_loss,
+                    "identical": all(torch.equal(grads[n], base[n]) for n in base),
+                    "max_grad_diff": max((grads[n] - base[n]).abs().max().item() for n in base)}
+        ctx.rng = None
     return out
 
 

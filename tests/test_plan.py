@@ -694,3 +694,30 @@ def test_step_time_by_hand() -> None:
     assert piped.microbatches == 4
     assert piped.times["bubble"].value == pytest.approx(stage_mb)  # (p - 1)/v = 1 micro-batch of the last stage
     assert piped.times["pp"].value == pytest.approx(4 * 4 * 16 * 64 / 1e9)  # (2v - 1)m = 4 sends of e·sbh bytes
+
+
+@pytest.mark.parametrize("options", [dict(flash_attention=True), dict(cp=2)])
+def test_selective_recompute_saves_nothing_where_the_core_keeps_no_scores(options: dict[str, object]) -> None:
+    # A flash kernel (and the context-parallel cores) keep no s^2 scores: selective recomputation has nothing to
+    # drop (the H200 measured 26.87 -> 26.85 GB), so it keeps exactly none's bytes and still pays the core again.
+    from lslm.plan.activations import core_keeps_scores, layer_formula
+
+    model = model_presets()["gpt3-175b"]
+    hw = hardware_presets()["h100-sxm"]
+    dp = 8 // options.get("cp", 1)
+    none, sel = (estimate(model, Layout(dp=dp, tp=8, pp=16, zero=1, sequence_parallel=True, recompute=rc,
+                                        **options), hw, 1024) for rc in ("none", "selective"))
+    assert not core_keeps_scores(sel.layout) and not core_keeps_scores(none.layout)
+    assert sel.memory.activations.value == none.memory.activations.value
+    assert sel.peak_bytes == none.peak_bytes
+    assert sel.step_s > none.step_s  # the core's forward again, for nothing
+    assert model_flops(model, "selective") > model_flops(model, "none")
+    assert "drops nothing" in layer_formula(model, sel.layout)
+    assert "recomputed during its backward" not in sel.memory.activations.formula
+    # without flash attention it still drops the 5as^2b term
+    plain = Layout(dp=8, tp=8, pp=16, zero=1, sequence_parallel=True, recompute="selective")
+    assert core_keeps_scores(dataclasses.replace(plain, recompute="none"))
+    assert "drops nothing" not in layer_formula(model, plain)
+    found = search(model.with_batch(1, 64), hw, 64, flash_attention=True, fitting_only=False, top=10_000,
+                   micro_batches=(1,), virtual_stages=(1,))
+    assert found and all(e.layout.recompute != "selective" for e in found)  # dominated: not tried

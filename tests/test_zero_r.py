@@ -28,6 +28,14 @@ def test_partitioned_checkpoints_give_the_same_loss_and_gradients(dropout: float
     assert ckpt["loss_equal"] and ((ckpt["max_grad_diff"] == 0.0) == (dropout == 0.0))
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_partitioned_checkpoints_replay_the_forwards_autocast(precision: str) -> None:
+    # Forward under CPU autocast, backward outside, dropout on: the recomputation re-enters the forward's autocast
+    # (lslm.runtime.replay); run outside it, its matmuls were fp32 and the gradients differed.
+    got = _suite()[f"partitioned_{precision}"]
+    assert got["loss_equal"] and got["identical"], got
+
+
 def test_each_rank_keeps_a_tp_th_of_every_block_input() -> None:
     r = _suite()
     block_input = B * T * CONFIG["n_embd"] * 4  # one (B, T, C) fp32 tensor

@@ -19,7 +19,8 @@ B, T = 2, 16
 CONFIG = dict(vocab_size=64, block_size=T, n_layer=3, n_head=4, n_embd=32)
 
 
-def _run(ctx: Any, dropout: float, mode: str, rng: tuple[Any, Any]) -> dict[str, Any]:
+def _run(ctx: Any, dropout: float, mode: str, rng: tuple[Any, Any],
+         dtype: torch.dtype | None = None) -> dict[str, Any]:
     torch.set_rng_state(rng[0])
     torch.manual_seed(0)
     model = apply_tensor_parallel(GPT(GPTConfig(**CONFIG, dropout=dropout)), ctx, rng_seed=1)
@@ -34,10 +35,11 @@ def _run(ctx: Any, dropout: float, mode: str, rng: tuple[Any, Any]) -> dict[str,
     g = torch.Generator().manual_seed(5)
     x = torch.randint(0, CONFIG["vocab_size"], (B, T + 1), generator=g)
     since = len(ctx.comm.ledger.records)
-    with ActivationMemory(model) as act:
+    with ActivationMemory(model) as act, torch.autocast("cpu", dtype=dtype or torch.bfloat16,
+                                                        enabled=dtype is not None):
         logits, _ = model(x[:, :-1])
-        loss = vocab_parallel_cross_entropy(logits, x[:, 1:], ctx, vocab_size=CONFIG["vocab_size"])
-    loss.backward()
+        loss = vocab_parallel_cross_entropy(logits.float(), x[:, 1:], ctx, vocab_size=CONFIG["vocab_size"])
+    loss.backward()  # outside autocast: the recomputations run here
     sync_tensor_parallel_grads(model, ctx)
     gathers = [r for r in ctx.comm.ledger.records[since:] if r.label == GATHER_LABEL]
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -61,4 +63,15 @@ def suite() -> dict[str, Any]:
                 "loss_equal": r["loss"] == base["loss"],
                 "max_grad_diff": max((r["grads"][n] - base["grads"][n]).abs().max().item() for n in base["grads"]),
                 "saved": r["saved"], "gathers": r["gathers"], "gather_bytes": r["gather_bytes"]}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):  # forward under autocast, dropout on
+        torch.manual_seed(0)
+        ctx.rng = None
+        apply_tensor_parallel(GPT(GPTConfig(**CONFIG, dropout=0.1)), ctx, rng_seed=1)
+        rng = (torch.get_rng_state(), ctx.rng.get_states())
+        runs = {m: _run(ctx, 0.1, m, rng, dtype) for m in ("plain", "partitioned")}
+        base, part = runs["plain"], runs["partitioned"]
+        out[f"partitioned_{name}"] = {
+            "loss_equal": part["loss"] == base["loss"],
+            "identical": all(torch.equal(part["grads"][n], base["grads"][n]) for n in base["grads"]),
+            "max_grad_diff": max((part["grads"][n] - base["grads"][n]).abs().max().item() for n in base["grads"])}
     return out

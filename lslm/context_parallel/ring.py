@@ -17,7 +17,9 @@ The backward pass is written out (FlashAttention-2's, Dao 2023, Algorithm 2, blo
 the saved output and log-sum-exp it recomputes each block's probabilities, accumulates ``dQ``
 locally, and accumulates ``dK``/``dV`` into a buffer that travels around the ring with the
 key/value block and arrives back at its owner after the last step. Autograd never sees the
-p2p, so the gradients are exact, not those of a graph that forgot a message.
+p2p, so the gradients are exact, not those of a graph that forgot a message. The backward runs under the
+forward's autocast (:mod:`lslm.runtime.replay`, as ``torch.amp.custom_bwd`` does): the probabilities it
+recomputes are then those the forward computed, in the same precision.
 
 Checked against full single-process attention (``F.scaled_dot_product_attention``), output and
 gradients, in tests/test_context_parallel.py. torch's own ``context_parallel``
@@ -36,6 +38,7 @@ import torch
 
 from lslm.context_parallel.group import CPGroup
 from lslm.context_parallel.layout import chunk_ids
+from lslm.runtime.replay import capture_forward_state
 
 __all__ = ["KV_LABEL", "DKV_LABEL", "block_pairs", "merge_partials", "ring_attention"]
 
@@ -113,10 +116,16 @@ class _RingAttention(torch.autograd.Function):
                 kv = incoming
         fctx.save_for_backward(q, k, v, out, lse)
         fctx.g, fctx.causal, fctx.layout, fctx.c, fctx.scale = g, causal, layout, c, scale
+        fctx.state = capture_forward_state(q.device, rng=False)  # its autocast, re-entered by the backward
         return out
 
     @staticmethod
     def backward(fctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
+        with fctx.state.autocast():
+            return _RingAttention._backward(fctx, dout)
+
+    @staticmethod
+    def _backward(fctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = fctx.saved_tensors
         g, causal, layout, c, scale = fctx.g, fctx.causal, fctx.layout, fctx.c, fctx.scale
         n, me = g.size, g.index

@@ -21,9 +21,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lslm.metrics.activation_theory import recompute_extra_flops, recompute_layer_bytes
 from lslm.metrics.activations import ActivationMemory
-from lslm.tensor_parallel.recompute import RECOMPUTE_MODES, apply_recompute
+from lslm.tensor_parallel.recompute import RECOMPUTE_MODES, apply_recompute, recompute
 
-__all__ = ["measure_block", "serial_rows", "table", "tp_rows", "tp_worker"]
+__all__ = ["AUTOCAST_DTYPES", "autocast_rows", "autocast_table", "measure_block", "serial_rows", "table", "tp_rows",
+           "tp_worker"]
 
 
 def measure_block(block: nn.Module, x: torch.Tensor) -> dict[str, int]:
@@ -110,4 +111,83 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"{r['mode']:<10}{r['t']:>3}{'yes' if r['sequence_parallel'] else 'no':>4}"
                      f"{r['saved_bytes']:>15,}{r['formula_bytes']:>12,}{r['extra_flops']:>14,}"
                      f"{r['formula_extra_flops']:>14,}")
+    return "\n".join(lines)
+
+
+#: The half-precision dtypes :func:`autocast_rows` runs under ``torch.autocast``.
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _autocast_grads(model: nn.Module, x: torch.Tensor, dtype: torch.dtype | None, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)  # the dropout masks' stream, the same for every variant
+    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        _, loss = model(x[:, :-1], x[:, 1:])
+    loss.backward()  # outside autocast, as torch's AMP recipe does: the replays run here
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _replayed_outside_autocast(inner: Any) -> Any:
+    def run(*inputs: torch.Tensor) -> torch.Tensor:
+        # recompute() runs the forward without gradients and the replay with them: switch autocast off there only
+        with torch.autocast("cpu", enabled=torch.is_autocast_enabled("cpu") and not torch.is_grad_enabled()):
+            return inner(*inputs)
+    return run
+
+
+def autocast_rows(precisions: tuple[str, ...] = ("bf16", "fp16"), *, batch: int = 2, dropout: float = 0.1,
+                  seed: int = 0, **overrides: Any) -> list[dict[str, Any]]:
+    """Gradients of the course GPT (``GPTConfig.tiny(**overrides)``) with each recompute mode (and with
+    ``torch.utils.checkpoint`` on the blocks) against those without recomputation, forward under CPU
+    ``torch.autocast`` of each precision (``"fp32"``: no autocast), backward outside it.
+
+    One row per (precision, mode): ``max_abs_diff`` (the largest ``|g - g_none|`` over all parameters),
+    ``max_rel_diff`` (the worst tensor's ``max |g - g_none| / max |g_none|``) and ``identical`` (every gradient
+    equal bit for bit). The mode ``"full, fp32 replay"`` is the negative control: :func:`recompute` on the
+    blocks with the replay forced out of autocast, what lslm's replays did before they re-entered the
+    forward's autocast.
+    """
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    from lslm.models.gpt import GPT, GPTConfig
+
+    config = GPTConfig.tiny(dropout=dropout, **overrides)
+    x = torch.randint(0, config.vocab_size, (batch, config.block_size + 1),
+                      generator=torch.Generator().manual_seed(seed + 1))
+    rows = []
+    for precision in precisions:
+        dtype = None if precision == "fp32" else AUTOCAST_DTYPES[precision]
+        grads = {}
+        for mode in (*RECOMPUTE_MODES, "torch checkpoint", "full, fp32 replay"):
+            torch.manual_seed(seed)
+            model = GPT(config).train()
+            if mode == "torch checkpoint":  # torch's own, on the same blocks: records and re-enters autocast
+                for block in model.blocks:
+                    block.forward = partial(checkpoint, block.forward, use_reentrant=False)
+            elif mode == "full, fp32 replay":
+                for block in model.blocks:
+                    block.forward = partial(recompute, _replayed_outside_autocast(block.forward))
+            else:
+                apply_recompute(model, mode)
+            grads[mode] = _autocast_grads(model, x, dtype, seed + 2)
+        base = grads["none"]
+        for mode in ("selective", "full", "torch checkpoint", "full, fp32 replay"):
+            diffs = {n: (grads[mode][n].float() - base[n].float()).abs().max().item() for n in base}
+            rel = max(diffs[n] / base[n].abs().max().item() for n in base if base[n].abs().max() > 0)
+            rows.append({"precision": precision, "mode": mode, "max_abs_diff": max(diffs.values()),
+                         "max_rel_diff": rel,
+                         "identical": all(torch.equal(grads[mode][n], base[n]) for n in base)})
+    return rows
+
+
+def autocast_table(rows: list[dict[str, Any]], *, digits: bool = True) -> str:
+    """:func:`autocast_rows` as a table; ``digits=False`` prints only whether each gradient is bit-identical (the
+    differences' digits depend on the CPU's kernels)."""
+    head = f"{'precision':<10}{'mode':<18}" + (f"{'max |dg|':>12}{'worst rel':>12}" if digits else "") + \
+        f"{'bit-identical':>15}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        nums = f"{r['max_abs_diff']:>12.2e}{r['max_rel_diff']:>12.2%}" if digits else ""
+        lines.append(f"{r['precision']:<10}{r['mode']:<18}{nums}{'yes' if r['identical'] else 'no':>15}")
     return "\n".join(lines)

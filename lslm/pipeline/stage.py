@@ -10,8 +10,9 @@ Two memory techniques, both optional:
 
 * **Rematerialisation** (GPipe, Huang et al. 2019, section 2.3; "activation
   checkpointing" per stage): the forward runs under ``no_grad`` and keeps only the input;
-  right before the backward the forward runs again with grad, from the same RNG state
-  (restored, then put back, so dropout masks replay exactly and nothing else changes).
+  right before the backward the forward runs again with grad, under the forward's autocast and from
+  the same RNG state (restored, then put back, so dropout masks replay exactly and nothing else
+  changes; :mod:`lslm.runtime.replay`).
   Memory per micro-batch in flight drops to one input; compute grows by one forward.
 * **Output deallocation** (Megatron-LM, ``deallocate_output_tensor``): once a stage's
   output has been sent, only its ``grad_fn`` is needed for the backward, not its values
@@ -42,8 +43,9 @@ from torch.autograd.graph import get_gradient_edge
 from lslm.pipeline.memory import PipelineMemory
 from lslm.pipeline.partition import GPTStage
 from lslm.pipeline.split_backward import WeightGradStore
+from lslm.runtime.replay import ForwardState, capture_forward_state, replaying
 from lslm.runtime.startup import synchronize
-from lslm.tensor_parallel.random import RNGStatesTracker, capture_rng_states, restore_rng_states
+from lslm.tensor_parallel.random import RNGStatesTracker
 
 __all__ = ["StageRuntime"]
 
@@ -71,7 +73,7 @@ class StageRuntime:
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.targets: dict[int, tuple[torch.Tensor, float]] = {}
-        self.rng: dict[int, tuple[Any, ...]] = {}
+        self.forward_states: dict[int, ForwardState] = {}  # remat: what each micro-batch's forward ran under
 
     @property
     def dtype(self) -> torch.dtype:
@@ -117,7 +119,7 @@ class StageRuntime:
         self.inputs[mb] = x
         key = (self.index, mb)
         if self.remat:
-            self.rng[mb] = capture_rng_states(self.device, self.tracker)
+            self.forward_states[mb] = capture_forward_state(self.device, self.tracker)
             with torch.no_grad():
                 out, loss = self._run(mb, x)
             if self.memory is not None:
@@ -169,13 +171,9 @@ class StageRuntime:
             if measuring:
                 synchronize(self.device)
             t0 = time.perf_counter()
-            resume = capture_rng_states(self.device, self.tracker)
-            restore_rng_states(self.rng.pop(mb), self.device, self.tracker)
-            try:
-                with torch.enable_grad(), self._saving(mb):
-                    root, _ = self._run(mb, x)
-            finally:
-                restore_rng_states(resume, self.device, self.tracker)
+            # The forward's autocast and random streams: the re-run computes what the forward computed.
+            with replaying(self.forward_states.pop(mb), self.tracker), self._saving(mb):
+                root, _ = self._run(mb, x)
             if measuring:
                 synchronize(self.device)
             if self.memory is not None:

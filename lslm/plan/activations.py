@@ -12,12 +12,15 @@ tensor + sequence parallel + selective      ``sbh/t · 34``
 full recompute                              ``2 sbh`` (``2 sbh / t`` with sequence parallelism)
 ==========================================  ==================================
 
-The first three are :func:`lslm.metrics.activation_theory.korthikanti_layer_bytes`; selective recompute drops
-the ``5as^2b`` (softmax, its dropout mask, the dropped probabilities), and so does a flash-attention kernel
-(it keeps O(s) statistics, not counted). Other widths keep the paper's list of tensors (``e`` bytes per
-activation, ``m`` per mask; fp32 training: ``e = 4``; ``m`` is the hardware's
-:attr:`~lslm.plan.hardware.Hardware.dropout_mask_bytes`: 1 for the bool mask of fused GPU dropout, 4 on a CPU,
-where it is a float noise tensor; a test measures lslm's GPT on this CPU within 0.3 %, the rest being the
+The first three are :func:`lslm.metrics.activation_theory.korthikanti_layer_bytes`; selective recompute drops the
+``5as^2b`` (softmax, its dropout mask, the dropped probabilities), and so does a flash-attention kernel (it keeps
+O(s) statistics, not counted). So with ``flash_attention`` (or ``cp > 1``) selective recomputation has nothing left
+to drop: it keeps the same bytes as none and still pays the attention core's forward again
+(:mod:`lslm.plan.timing`). Measured on an H200 (``bench/results/gpu/h200_recompute_2026-11-28.json``, lslm's GPT,
+``F.scaled_dot_product_attention``): 26.87 -> 26.85 GB of activations, +10 % step time. Other widths keep the
+paper's list of tensors (``e`` bytes per activation, ``m`` per mask; fp32 training: ``e = 4``; ``m`` is the
+hardware's :attr:`~lslm.plan.hardware.Hardware.dropout_mask_bytes`: 1 for the bool mask of fused GPU dropout, 4 on a
+CPU, where it is a float noise tensor; a test measures lslm's GPT on this CPU within 0.3 %, the rest being the
 LayerNorm statistics and token ids the paper leaves out). For ``arch="llama"`` the same list is adapted, and this
 adaptation is ours (no published table): keys and values are ``kv/a`` of the queries, there is no dropout,
 and the SwiGLU MLP keeps four ``f``-wide tensors (gate and up outputs, SiLU output, their product) instead of
@@ -56,12 +59,19 @@ from lslm.metrics.activation_theory import korthikanti_layer_bytes
 from lslm.plan.layout import Layout
 from lslm.plan.model import ModelSpec
 
-__all__ = ["cp_units", "embedding_mask_bytes", "in_flight_layers", "in_flight_microbatches", "last_stage_extra_bytes",
-           "layer_activation_bytes", "layer_formula"]
+__all__ = ["core_keeps_scores", "cp_units", "embedding_mask_bytes", "in_flight_layers", "in_flight_microbatches",
+           "last_stage_extra_bytes", "layer_activation_bytes", "layer_formula"]
 
 
 def _width(layout: Layout) -> int:
     return 4 if layout.precision == "fp32" else 2
+
+
+def core_keeps_scores(layout: Layout, recompute: str | None = None) -> bool:
+    """Whether the attention core keeps its ``s^2`` tensors for backward: not when they are recomputed
+    (``"selective"``), not with a flash kernel, not with context parallelism (module doc)."""
+    recompute = layout.recompute if recompute is None else recompute
+    return not (recompute == "selective" or layout.flash_attention or layout.cp > 1)
 
 
 def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute: str | None = None, *,
@@ -81,7 +91,7 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute: str | No
     region = t if sp else 1  # the LayerNorm / dropout region: replicated, or split along the sequence
     if recompute == "full":
         return e * s * b * h / region
-    attention_core = 0 if (recompute == "selective" or layout.flash_attention or layout.cp > 1) else 1
+    attention_core = 1 if core_keeps_scores(layout, recompute) else 0
     # Without re-gathering, the two column-parallel layers keep their gathered input: e·sbh each, not split.
     kept_whole = 2 * e * s * b * h * (1 - 1 / t) if sp and not layout.regather else 0.0
     # Ulysses: the kernel keeps its head-sharded output and the projection its sequence-sharded input, two tensors
@@ -108,8 +118,10 @@ def layer_formula(model: ModelSpec, layout: Layout, recompute: str | None = None
         return "2sbh/t (full recompute, SP)" if sp else "2sbh (full recompute)"
     if model.arch != "gpt":
         return "Korthikanti §4.1's tensors adapted to GQA + SwiGLU, no dropout (ours)" + _cp_note(layout)
-    core = recompute == "selective" or layout.flash_attention or layout.cp > 1
-    return _table_row(layout, core) + _cp_note(layout)
+    core = not core_keeps_scores(layout, recompute)
+    idle = recompute == "selective" and not core_keeps_scores(layout, "none")
+    return _table_row(layout, core) + _cp_note(layout) + (
+        " (selective recompute drops nothing: the kernel keeps no s^2 scores)" if idle else "")
 
 
 def _cp_note(layout: Layout) -> str:

@@ -130,8 +130,9 @@ def _activations(model: ModelSpec, layout: Layout, m: int, stage: int, recompute
     if stage == layout.pp - 1:
         total += last_stage_extra_bytes(model, layout)
         formula += " + final norm, head input and fp32 logits 4sbV/t"
-    if recompute != "none":
-        total += layer_activation_bytes(model, layout, "none", mask_bytes=mask_bytes) - one
+    working = layer_activation_bytes(model, layout, "none", mask_bytes=mask_bytes) - one
+    if recompute != "none" and working > 0:  # selective under flash attention recomputes nothing it did not keep
+        total += working
         formula += " + one layer recomputed during its backward"
     return total, formula
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from lslm.plan.activations import core_keeps_scores
 from lslm.plan.estimate import Estimate, estimate
 from lslm.plan.hardware import Hardware
 from lslm.plan.layout import Layout
@@ -48,7 +49,9 @@ def search(model: ModelSpec, hardware: Hardware, devices: int, *, precision: str
     ZeRO-2/3 with pipeline parallelism, which DeepSpeed refuses and Megatron does not offer (their gradients,
     and stage 3's parameters, would cross the data-parallel group every micro-batch); off by default.
     ``context_parallel``: the ``cp`` sizes to try (each must divide the devices left after ``tp``);
-    ``cp_methods``: ``"ring"`` and/or ``"ulysses"`` for ``cp > 1``.
+    ``cp_methods``: ``"ring"`` and/or ``"ulysses"`` for ``cp > 1``. Selective recomputation is not tried where
+    the attention core keeps no ``s^2`` tensors (flash attention, ``cp > 1``): it would keep the bytes of
+    none for more time (:mod:`lslm.plan.activations`).
     """
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be an int >= 1, got {devices!r}")
@@ -82,6 +85,8 @@ def search(model: ModelSpec, hardware: Hardware, devices: int, *, precision: str
                                 layout = Layout(dp=dp, tp=tp, pp=pp, v=v, cp=cp, cp_method=method, zero=zero,
                                                 sequence_parallel=tp > 1, recompute=rc, precision=precision,
                                                 flash_attention=flash_attention)
+                                if rc == "selective" and not core_keeps_scores(layout, "none"):
+                                    continue  # dominated by "none": the same bytes, more time
                                 try:
                                     est = estimate(spec, layout, hardware, devices)
                                 except ValueError:

@@ -6,7 +6,10 @@ the attention scores and their product with the values (causal masking not disco
 head ``2 B s h V``; backward twice the forward. Summed: ``72 B s L h^2 (1 + s/(6h) + V/(12 h L))`` per step
 (their equation without recomputation), ``96 B s L h^2 (1 + s/(6h) + V/(16 h L))`` with full recomputation
 (a second forward of every layer). Selective recomputation repeats only the attention core (``4 B s^2 h``
-per layer). A device does ``1/(t · cp)`` of its stage's layers' work (and of the head, vocabulary-parallel).
+per layer), also under flash attention, where it saves no bytes (:mod:`lslm.plan.activations`). Full
+recomputation's ``4/3`` assumes the replay runs in the forward's precision (lslm's did not before it re-entered
+autocast: its fp32 replay took the H200 step to 7.5-9.6x, ``bench/results/gpu/``). A device does
+``1/(t · cp)`` of its stage's layers' work (and of the head, vocabulary-parallel).
 
 **The step** of the most loaded stage, 1F1B or interleaved, ``m`` micro-batches, ``T_mb`` one micro-batch's
 forward + backward (+ recompute) of the stage::

@@ -35,6 +35,7 @@ from torch.autograd import Function
 
 from lslm.runtime.completion import mark
 from lslm.runtime.context import ParallelContext
+from lslm.runtime.replay import capture_forward_state
 from lslm.tensor_parallel.mappings import (
     SEQUENCE_DIM,
     all_gather_along,
@@ -54,6 +55,9 @@ class _LinearWithTPCommunication(Function):
                 overlap_log: list[dict[str, Any]] | None, seq_dim: int) -> torch.Tensor:
         fn.pctx, fn.label, fn.sp, fn.regather, fn.seq_dim = pctx, label, sequence_parallel, regather, seq_dim
         fn.async_allreduce, fn.overlap_log, fn.has_bias = async_allreduce, overlap_log, bias is not None
+        # Under autocast the forward's matmul ran in half precision on half copies; the backward's matmuls must
+        # too (as torch.amp.custom_bwd arranges), or they would mix a half gradient with fp32 saved tensors.
+        fn.state = capture_forward_state(x.device, rng=False)
         if sequence_parallel:
             total = all_gather_along(x, pctx, seq_dim, fwd_label(label))[0]
             fn.save_for_backward(x if regather else total, weight)
@@ -65,6 +69,11 @@ class _LinearWithTPCommunication(Function):
 
     @staticmethod
     def backward(fn: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        with fn.state.autocast():
+            return _LinearWithTPCommunication._backward(fn, grad_out)
+
+    @staticmethod
+    def _backward(fn: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         saved, weight = fn.saved_tensors
         pctx, ledger = fn.pctx, fn.pctx.comm.ledger
         if fn.sp and fn.regather:

@@ -29,8 +29,8 @@ Limitation: ``torch.utils.checkpoint`` restores only the default generators befo
 recomputes a forward, not the tracker's streams, so a recomputed block that forks would
 draw other masks than the first time (Megatron ships its own checkpoint for this). lslm's
 recomputations (:mod:`lslm.tensor_parallel.recompute`, :mod:`lslm.zero.activations`, the pipeline's
-``remat``) save and
-restore both with :func:`capture_rng_states` / :func:`restore_rng_states`.
+``remat``) save and restore both, with the forward's autocast, through :mod:`lslm.runtime.replay`
+(a tracker is its ``StreamTracker``: ``get_states`` / ``set_states``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 __all__ = ["DEFAULT_RNG", "PP_SEED_STRIDE", "TENSOR_PARALLEL_RNG", "TP_SEED_OFFSET", "RNGStatesTracker",
-           "capture_rng_states", "fork_rng_in_forward", "model_parallel_seed", "restore_rng_states", "stream_seeds"]
+           "fork_rng_in_forward", "model_parallel_seed", "stream_seeds"]
 
 TENSOR_PARALLEL_RNG = "tensor-parallel"
 #: The device's default generator, as a name for :meth:`RNGStatesTracker.fork` (reserved: never ``add``-ed).
@@ -236,23 +236,3 @@ def fork_rng_in_forward(module: nn.Module, tracker: RNGStatesTracker,
     pre = module.register_forward_pre_hook(enter, prepend=True)
     post = module.register_forward_hook(leave, always_call=True)
     return pre, post
-
-
-def capture_rng_states(device: torch.device, tracker: RNGStatesTracker | None) -> tuple[Any, ...]:
-    """Every random stream a forward on ``device`` may draw from: CPU's, ``device``'s if CUDA, ``tracker``'s.
-
-    What a recomputation must replay for dropout to draw the forward's masks again (Megatron's
-    ``CheckpointFunction`` saves the same three). Called inside a fork it captures the live
-    stream as it is in the generator, which is what the recomputed code continues from.
-    """
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None  # no torch.cuda on CPU paths
-    return torch.get_rng_state(), cuda, tracker.get_states() if tracker is not None else None
-
-
-def restore_rng_states(states: tuple[Any, ...], device: torch.device, tracker: RNGStatesTracker | None) -> None:
-    """Put back what :func:`capture_rng_states` returned (outside any fork of ``tracker``)."""
-    torch.set_rng_state(states[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(states[1], device)
-    if states[2] is not None and tracker is not None:
-        tracker.set_states(states[2])

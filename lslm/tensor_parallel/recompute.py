@@ -16,13 +16,15 @@ Models stay plain: the blocks' ``forward`` and the attention modules' ``core_att
 replaced on the instances, so a pipeline stage cut from the GPT (:class:`~lslm.pipeline.GPTStage`
 shares its modules) recomputes too.
 
-**Random streams.** ``torch.utils.checkpoint`` replays only the default generators; under tensor
-parallelism the attention dropout draws from the tracker's per-rank stream, so its recomputation
-would draw other masks and the gradients would be wrong. :func:`recompute` (Megatron's
-``CheckpointFunction``) saves and restores both, through the same
-:func:`~lslm.tensor_parallel.random.capture_rng_states` that ZeRO-R's partitioned checkpoints
-(:mod:`lslm.zero.activations`) use. Parameters' gradients are accumulated by the
-recomputation's own backward (their hooks, gradient buffers included, fire there).
+**The replay runs as the forward ran** (:mod:`lslm.runtime.replay`, shared with ZeRO-R's partitioned
+checkpoints and the pipeline's ``remat``): under the forward's autocast (device type, dtype, enabled, cache),
+or its matmuls run in fp32 and the gradient is not that of the function evaluated (bf16, course GPT, full:
+up to 0.7 % off before; 7.5-9.6x the step time on an H200, ``bench/results/gpu/``); and from the forward's
+random streams. ``torch.utils.checkpoint`` replays only the default generators; under tensor parallelism
+the attention dropout draws from the tracker's per-rank stream, so its recomputation would draw other masks
+and the gradients would be wrong. :func:`recompute` (Megatron's ``CheckpointFunction``) saves and restores
+both. Parameters' gradients are accumulated by the recomputation's own backward (their hooks, gradient
+buffers included, fire there).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import torch
 from torch import nn
 from torch.autograd import Function
 
-from lslm.tensor_parallel.random import RNGStatesTracker, capture_rng_states, restore_rng_states
+from lslm.runtime.replay import capture_forward_state, replaying
+from lslm.tensor_parallel.random import RNGStatesTracker
 
 __all__ = ["RECOMPUTE_MODES", "apply_recompute", "recompute"]
 
@@ -46,8 +49,8 @@ class _CheckpointFunction(Function):
     @staticmethod
     def forward(fn: Any, run: Callable[..., torch.Tensor], tracker: RNGStatesTracker | None,
                 *inputs: torch.Tensor) -> torch.Tensor:
-        fn.run, fn.tracker, fn.device = run, tracker, inputs[0].device
-        fn.rng = capture_rng_states(fn.device, tracker)
+        fn.run, fn.tracker = run, tracker
+        fn.state = capture_forward_state(inputs[0].device, tracker)  # autocast and random streams, for the replay
         with torch.no_grad():
             out = run(*inputs)
         fn.save_for_backward(*inputs)  # all that autograd keeps of the region: its inputs
@@ -56,13 +59,8 @@ class _CheckpointFunction(Function):
     @staticmethod
     def backward(fn: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in fn.saved_tensors]
-        now = capture_rng_states(fn.device, fn.tracker)
-        restore_rng_states(fn.rng, fn.device, fn.tracker)  # the forward's random draws, replayed
-        try:
-            with torch.enable_grad():
-                out = fn.run(*inputs)
-        finally:
-            restore_rng_states(now, fn.device, fn.tracker)
+        with replaying(fn.state, fn.tracker):  # the forward's autocast and random draws, replayed
+            out = fn.run(*inputs)
         torch.autograd.backward(out, grad)
         return (None, None, *(x.grad if x.requires_grad else None for x in inputs))
 
@@ -71,10 +69,10 @@ def recompute(run: Callable[..., torch.Tensor], *inputs: torch.Tensor,
               tracker: RNGStatesTracker | None = None) -> torch.Tensor:
     """``run(*inputs)``, keeping only ``inputs`` for backward and running ``run`` again there.
 
-    The CPU (and CUDA) generators and every stream of ``tracker`` are replayed as they were
-    in the forward, so dropout draws the same masks. Without gradients, or when no input
-    requires one, it is just ``run(*inputs)`` (the region's parameters would get no gradient
-    through a recomputation whose inputs do not require one).
+    The replay runs under the forward's autocast, from the CPU (and CUDA) generators and every stream of
+    ``tracker`` as they were in the forward, so it computes the forward's activations, dropout masks
+    included. Without gradients, or when no input requires one, it is just ``run(*inputs)`` (the region's
+    parameters would get no gradient through a recomputation whose inputs do not require one).
     """
     if not torch.is_grad_enabled() or not any(x.requires_grad for x in inputs):
         return run(*inputs)

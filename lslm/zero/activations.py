@@ -9,12 +9,13 @@ recomputation in backward: ``t`` times less checkpoint memory for one all-gather
 step. ``offload=True`` (P_a+cpu) keeps the slice in host memory (page-locked on a GPU) instead.
 
 Applied from outside, like every technique here: :func:`apply_partitioned_checkpoints`
-``(model, ctx)`` wraps each of ``model.blocks``. The recomputation replays the forward's random
-streams (the default generator, the device's on a GPU, and the tensor-parallel tracker's
-streams), so dropout draws the same masks and the gradients equal those without
-checkpointing. Parameters' gradients are accumulated by the recomputation's own backward (their
-hooks, gradient buffers included, fire there). DeepSpeed's own ``partition_activations`` needs
-a Megatron-style model-parallel unit; this one takes lslm's :class:`ParallelContext`.
+``(model, ctx)`` wraps each of ``model.blocks``. The recomputation runs under the forward's autocast and
+replays its random streams (the default generator, the device's on a GPU, and the tensor-parallel tracker's
+streams; :mod:`lslm.runtime.replay`), so it computes the forward's activations and dropout masks and the
+gradients equal those without checkpointing. Parameters' gradients are accumulated by the recomputation's
+own backward (their hooks, gradient buffers included, fire there). DeepSpeed's own
+``partition_activations`` needs a Megatron-style model-parallel unit; this one takes lslm's
+:class:`ParallelContext`.
 
 Constant-size buffers (ZeRO-R's C_B) are the gradient buckets of :mod:`lslm.zero` and
 :mod:`lslm.data_parallel.grad_buffer`: fixed byte caps, whatever the model size.
@@ -30,7 +31,8 @@ from torch import nn
 from torch.autograd import Function
 
 from lslm.runtime.context import ParallelContext
-from lslm.tensor_parallel.random import RNGStatesTracker, capture_rng_states, restore_rng_states
+from lslm.runtime.replay import capture_forward_state, replaying
+from lslm.tensor_parallel.random import RNGStatesTracker
 
 __all__ = ["GATHER_LABEL", "apply_partitioned_checkpoints", "checkpoint_partitioned"]
 
@@ -46,7 +48,7 @@ class _PartitionedCheckpoint(Function):
     def forward(fn: Any, run: Callable[[torch.Tensor], torch.Tensor], pctx: ParallelContext, offload: bool,
                 x: torch.Tensor) -> torch.Tensor:
         fn.run, fn.pctx, fn.device, fn.shape, fn.dtype = run, pctx, x.device, x.shape, x.dtype
-        fn.rng = capture_rng_states(x.device, _tracker(pctx))
+        fn.state = capture_forward_state(x.device, _tracker(pctx))  # autocast and random streams, for the replay
         with torch.no_grad():
             out = run(x)
         t = pctx.tp_size
@@ -72,13 +74,8 @@ class _PartitionedCheckpoint(Function):
         for d in fn.shape:
             numel *= d
         x = full[:numel].view(fn.shape).detach().requires_grad_(True)
-        now = capture_rng_states(fn.device, _tracker(pctx))
-        restore_rng_states(fn.rng, fn.device, _tracker(pctx))  # the forward's random draws, replayed
-        try:
-            with torch.enable_grad():
-                out = fn.run(x)
-        finally:
-            restore_rng_states(now, fn.device, _tracker(pctx))
+        with replaying(fn.state, _tracker(pctx)):  # the forward's autocast and random draws, replayed
+            out = fn.run(x)
         torch.autograd.backward(out, grad)
         return None, None, None, x.grad
 
