@@ -3,6 +3,7 @@ the warm-up against torch's Adam, and a short run on the course's GPT. One launc
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -103,13 +104,17 @@ def test_loss_curves_on_the_course_gpt(suites: dict) -> None:
     c = suites[2]["curves"]
     losses, sent = c["losses"], c["bus_bytes"]
     assert set(losses) == {"adam", "1-bit adam", "1-bit adam, no error feedback"}
-    for name, curve in losses.items():
-        assert curve[-1] < curve[0], name  # every run learns
-    # The warm-up is Adam's own arithmetic: the same losses, bit for bit, until the first compressed step lands.
+    for name in ("adam", "1-bit adam"):
+        assert losses[name][-1] < losses[name][0], name  # both learn
+    # Without error feedback the run may diverge (NaN on an AVX2 EPYC, finite here): its fate is shown in notebook 10,
+    # not required here. A non-finite tail counts as worse than any finite one.
+    # "adam" is OneBitAdam that never leaves its warm-up: the same code on the same values, so the same losses bit
+    # for bit on any machine until the first compressed step lands.
     assert losses["1-bit adam"][:11] == losses["adam"][:11]
-    # What error feedback buys here (deterministic on gloo): a lower loss over the last 10 steps than without it.
+    # What error feedback buys here: a lower loss over the last 10 steps than without it.
     tail = {name: sum(curve[-10:]) / 10 for name, curve in losses.items()}
-    assert tail["1-bit adam"] < tail["1-bit adam, no error feedback"]
+    tail = {name: t if math.isfinite(t) else math.inf for name, t in tail.items()}
+    assert math.isfinite(tail["1-bit adam"]) and tail["1-bit adam"] < tail["1-bit adam, no error feedback"]
     assert len(set(sent["adam"])) == 1 and sent["adam"][0] == 4 * c["numel"]  # 2 (n-1)/n x 4 bytes at n = 2
     assert sent["1-bit adam"][:10] == sent["adam"][:10]
     assert set(sent["1-bit adam"][10:]) == {compressed_all_reduce_bus_bytes(c["numel"], 2)}

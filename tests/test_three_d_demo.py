@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from lslm.demos.three_d_demo import config
+from lslm.demos.three_d_demo import OPTIM, config
+from lslm.metrics.tolerance import adamw_param_atol
 from lslm.models.gpt import GPT
 from tests.helpers import run_workers
 
@@ -40,7 +41,8 @@ def test_losses_are_the_serial_runs_and_the_gathered_difference_is_every_ranks(r
             assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-5
             assert r["losses"] == per_rank[0]["losses"]  # the global mean: the same on every rank
         assert {r["dparam_all"] for r in per_rank} == {max(r["dparam"] for r in per_rank)}
-        assert per_rank[0]["dparam_all"] <= 1e-5
+        # AdamW's amplified rounding (lslm.metrics.tolerance): 2.7e-5 measured under ATEN_CPU_CAPABILITY=default
+        assert per_rank[0]["dparam_all"] <= adamw_param_atol(steps=STEPS, lr=OPTIM.lr)
 
 
 def test_each_axis_carries_its_own_traffic(results: list[dict[str, Any]]) -> None:

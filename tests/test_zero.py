@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lslm.metrics import memory_by_owner
+from lslm.metrics.tolerance import BF16_ULP_AT_ONE, FP16_ULP_AT_ONE, adamw_param_atol
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import RankGrid
@@ -20,14 +21,15 @@ from lslm.zero import ZeroOptimizer, fsdp_padding, shard_layout
 from tests.helpers import fake_world, run_workers
 from tests.zero_workers import CONFIG
 
-#: fp32 after 3 AdamW steps, against DDP on the same ranks (all-reduce, then / N): a reduce-scatter sums in
-#: another order than gloo's all-reduce, and Adam's near-sign first updates carry a rounding in a cancelling sum
-#: to ~lr * 1e-3; measured <= 4e-7 at dp = 3, bit-equal at dp = 2 (a sum of two has one order). The same bound
-#: as DDP's tests; a missing average or a wrong slice moves parameters by >= 1e-3. (Against one process at dp = 3
-#: the gap is larger, ~2e-5 here: autograd scales each rank's share by 1/3, inexact, before summing.)
-ATOL = 1e-6
-#: fp16 against the same arithmetic in one process: one fp16 ulp of a LayerNorm weight near 1.0 (2^-10).
-FP16_ATOL = 2.0 ** -10
+#: fp32 after 3 AdamW steps (lr 1e-3), against DDP on the same ranks (all-reduce, then / N), ZeroRedundancyOptimizer,
+#: FSDP2 and one process: AdamW over ZeRO's slices runs other kernel lanes than over whole tensors, and a
+#: reduce-scatter sums in another order than gloo's all-reduce; AdamW turns those roundings into a share of lr
+#: (lslm.metrics.tolerance). Measured: 0.0 at dp = 2 on AVX-512, 3.7e-9 with ATEN_CPU_CAPABILITY=default, 1.0e-8 on an
+#: AVX2 EPYC; at dp = 3 up to 1.6e-6 (default). A missing average or a wrong slice moves parameters by >= 1e-3.
+ATOL = adamw_param_atol(steps=3, lr=1e-3)
+#: half precision against the same arithmetic in one process: one ulp of a LayerNorm weight near 1.0 (the masters
+#: agree to ATOL, and a master one rounding away can round to the neighbouring half value).
+FP16_ATOL, BF16_ATOL = FP16_ULP_AT_ONE, BF16_ULP_AT_ONE
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +71,8 @@ def test_every_stage_equals_ddp_and_zero_redundancy_optimizer(nproc: int, suites
     accum = [r["stage2_accum2_diff"], r["stage3_accum2_diff"]]
     assert max(diffs) <= ATOL and r["vs_zero_redundancy"] <= ATOL and r["stage3_vs_fsdp2"] <= ATOL
     assert max(accum) <= ATOL
-    if nproc == 2:  # one order for a sum of two, and x 1/2 exact: bit for bit, even against one process
-        assert max(diffs) == r["vs_zero_redundancy"] == r["stage3_vs_fsdp2"] == max(accum) == 0.0
-        assert r["stage1_vs_one_process"] == 0.0
+    if nproc == 2:  # a sum of two has one order and x 1/2 is exact: only the kernels' lanes differ from one process
+        assert r["stage1_vs_one_process"] <= ATOL
     assert r["replicas_equal"] and r["buckets"] > 1
     # Each rank steps only its slice: Adam's two moments for a 1/N share of the parameters.
     assert r["state_numel"] == 2 * r["owned"]
@@ -80,7 +81,7 @@ def test_every_stage_equals_ddp_and_zero_redundancy_optimizer(nproc: int, suites
     assert r["rs_bytes"] == r["ag_bytes"] == 4 * r["numel"]
     # Half precision, every stage: the same arithmetic as fp32 masters + fp32 main_grad in one process.
     for stage in (1, 2, 3):
-        assert r[f"bf16_stage{stage}_diff"] == 0.0 and r[f"fp16_stage{stage}_diff"] <= FP16_ATOL
+        assert r[f"bf16_stage{stage}_diff"] <= BF16_ATOL and r[f"fp16_stage{stage}_diff"] <= FP16_ATOL
     assert r["bf16_dtype"] == "torch.bfloat16" and r["fp16_dtype"] == "torch.float16"
     assert all(r["bf16_stepped"]) and all(r["fp16_stepped"])
     assert 0 < r["bf16_vs_fp32"] < 0.05 and 0 < r["fp16_vs_fp32"] < 0.05

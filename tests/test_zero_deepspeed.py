@@ -12,14 +12,18 @@ from typing import Any
 import pytest
 
 from lslm.integrations.deepspeed_zero import deepspeed_available, ds_config
+from lslm.metrics.tolerance import adamw_param_atol
 from tests.helpers import run_workers
 
-#: fp32 parameters after 3 AdamW steps. Both sum each gradient over the ranks once and step the same AdamW on the
-#: same elements. At 2 ranks a sum of two has one order and the mean is exact: bit for bit (measured 0.0). At 3
-#: ranks DeepSpeed takes the mean as sum * (1/3) and lslm as sum / 3, which differ in the last bit of some
-#: elements; Adam's first, near-sign updates carry that to ~lr * 1e-3: measured <= 1.7e-6 (stages 1-3, with and
-#: without offload), bound 5e-6. A missing average, a wrong slice or a skipped step moves parameters by >= 1e-3.
-ATOL = {2: 0.0, 3: 5e-6}
+#: fp32 parameters after 3 AdamW steps (lr 1e-3). Both sum each gradient over the ranks once and step AdamW on the
+#: same elements, but over other tensors (DeepSpeed's flat partition, lslm's slices of its buckets), so the kernels
+#: put elements in other SIMD lanes; at 3 ranks DeepSpeed also takes the mean as sum * (1/3) and lslm as sum / 3.
+#: AdamW turns those last-bit differences into a share of lr (lslm.metrics.tolerance). Measured: 0.0 at 2 ranks on
+#: AVX-512, 6.5e-7 on an AVX2 EPYC; <= 1.7e-6 at 3 ranks (stages 1-3, with and without offload). A missing average,
+#: a wrong slice or a skipped step moves parameters by >= 1e-3.
+PARAM_ATOL = adamw_param_atol(steps=3, lr=1e-3)
+#: The losses (~4) aggregate every element: a few fp32 ulps from sums in another order.
+LOSS_ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def suites(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
@@ -45,10 +49,10 @@ def test_every_stage_equals_deepspeed(nproc: int, suites: dict) -> None:
     r = suites[nproc]
     for stage in (1, 2, 3):
         assert r[f"stage{stage}_moved"] > 1e-3  # the runs did train
-        assert r[f"stage{stage}_param_diff"] <= ATOL[nproc], stage
-        assert r[f"stage{stage}_loss_diff"] <= ATOL[nproc], stage
+        assert r[f"stage{stage}_param_diff"] <= PARAM_ATOL, stage
+        assert r[f"stage{stage}_loss_diff"] <= LOSS_ATOL, stage
     for stage in (2, 3):  # the optimizer (stage 3: and the parameters) on the host: the same arithmetic
-        assert r[f"stage{stage}_offload_param_diff"] <= ATOL[nproc], stage
+        assert r[f"stage{stage}_offload_param_diff"] <= PARAM_ATOL, stage
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
@@ -89,16 +93,19 @@ def test_config_refuses_bad_input() -> None:
 
 def test_the_notebook_demo_shows_the_same_losses() -> None:
     """lslm.demos.deepspeed_side_by_side: lslm stage 3, FSDP2 and DeepSpeed stage 3, same losses, bytes by owner."""
-    from lslm.demos.deepspeed_side_by_side import ENTRIES, deepspeed_side_by_side
+    from lslm.demos.deepspeed_side_by_side import ENTRIES, LR, deepspeed_side_by_side
 
     ok, why = deepspeed_available()
     if not ok:
         pytest.skip(why)
     r = deepspeed_side_by_side(steps=2)
     assert list(r["losses"]) == list(ENTRIES) and all(len(v) == 2 for v in r["losses"].values())
-    # fp32 at 2 ranks: one order for every sum, the same AdamW arithmetic: bit for bit (measured)
-    assert r["losses"]["deepspeed zero3"] == r["losses"]["fsdp2"] == r["losses"]["lslm zero3"]
-    assert max(r["param_diff_vs_lslm"].values()) == 0.0
+    # fp32 at 2 ranks: one order for every sum, the same AdamW arithmetic over other tensors (other kernel lanes):
+    # 0.0 on AVX-512, DeepSpeed 6.5e-7 from lslm on an AVX2 EPYC (lslm.metrics.tolerance)
+    losses = r["losses"]
+    for name in ("deepspeed zero3", "fsdp2"):
+        assert max(abs(a - b) for a, b in zip(losses[name], losses["lslm zero3"])) <= LOSS_ATOL, name
+    assert max(r["param_diff_vs_lslm"].values()) <= adamw_param_atol(steps=2, lr=LR)
     per = r["bytes_per_param"]  # 16 bytes/param / 2 ranks; DeepSpeed also keeps an fp32 copy of its partition
     assert abs(sum(per["lslm zero3"].values()) - 8) < 0.01 and abs(sum(per["deepspeed zero3"].values()) - 10) < 0.01
     assert "deepspeed zero3" in r["table"].splitlines()[1]

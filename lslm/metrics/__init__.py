@@ -24,7 +24,9 @@ Formulas (pure functions, no processes):
   DeepSpeed's estimator rows re-derived from its conventions;
 * :mod:`.step_time` - bucketed DDP's step time: ring all-reduce cost, overlap with backward, where it turns
   communication-bound (:func:`predict_step`, :class:`LinkCost`);
-* :mod:`.collective_costs` - the alpha-beta-gamma model of every lslm collective: coefficients, fit, prediction.
+* :mod:`.collective_costs` - the alpha-beta-gamma model of every lslm collective: coefficients, fit, prediction;
+* :mod:`.tolerance` - how far two fp32 runs of the same training may differ on any machine
+  (:func:`adamw_param_atol`: AdamW turns other kernels' last bits into a share of ``lr``), with the reasons.
 
 The measurements that check the formulas are launched experiments, one layer up: ``lslm.bench.step_time_check``
 and ``lslm.demos.activation_check``.
