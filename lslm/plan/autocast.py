@@ -100,9 +100,12 @@ def autocast_activations(model: ModelSpec, layout: Layout, m: int, stage: int, r
     one = autocast_layer_bytes(model, layout, recompute, mask_bytes=mask_bytes)
     head = -(-model.vocab // t) * h if last else 0
     saved = rank_layers * one
-    formula = (f"{rank_layers:g} layer-micro-batches x [{layer_formula(model, layout, recompute)}, e = {e}, "
-               + ("+ the block's input fp32: 4sbh" if recompute == "full" else "+ 2 LayerNorm inputs fp32: 2(4-e)sbh")
-               + (" /t" if region > 1 else "") + "]")
+    half = layer_activation_bytes(model, layout, recompute, mask_bytes=mask_bytes)
+    fp32_part = ("the block's input in fp32, 4sbh instead of e·sbh" if recompute == "full"
+                 else "2 LayerNorm inputs in fp32, +2(4-e)sbh")
+    formula = (f"{rank_layers:g} layer-micro-batches x {one / sbh:.4g}·sbh [Korthikanti's tensors in the half dtype "
+               f"({layer_formula(model, layout, recompute)}; {half / sbh:.4g}·sbh here), e = {e}; the fp32 residual "
+               f"where saved: {fp32_part}" + (", /t with SP" if region > 1 else "") + "]")
     if stage == 0 and model.dropout and recompute != "full":
         saved += embedding_mask_bytes(model, layout, m, mask_bytes=mask_bytes)
         formula += " + embedding dropout masks"
