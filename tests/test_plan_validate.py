@@ -179,7 +179,7 @@ def test_within_20_percent_but_the_known_misses(rows: list) -> None:
 def test_lslm_plan_validate_prints_the_table(capsys: pytest.CaptureFixture[str], rows: list) -> None:
     assert main(["plan", "--validate"]) == 0
     out = capsys.readouterr().out
-    assert out.strip().splitlines()[-1] == format_validation(rows).splitlines()[-1]
+    assert format_validation(rows).splitlines()[-1] in out.splitlines()  # the memory rows follow (test_plan_autocast)
     assert "p=4 Interleaved1F1B m=8" in out and "dp=2 zero3" in out and "tp=4 SP on" in out
 
 

@@ -19,6 +19,13 @@ objects, same names: it *is* an ``nn.Linear``). Its autograd function, in backwa
 * otherwise (a full ``B``): returns the weight gradients at once, computed by the
   *same* two matmul/sum ops, so ``I`` then ``W`` gives exactly ``B``'s gradients.
 
+**Under autocast** the layer computes as ``F.linear`` does there: the input, weight and bias are cast to
+autocast's dtype (bf16 / fp16) and those half copies are what the backward uses, so ``I``, ``W`` and a full
+``B`` run their matmuls in the dtype the forward used, and the half weight gradients are widened to the
+parameter's dtype when accumulated (what autograd's cast-back does for ``nn.Linear``). The backward does not
+re-enter autocast: its op lists would change more than the matmuls (on CUDA ``sum`` is computed in fp32
+there, where ``nn.Linear``'s bias gradient is summed in the half dtype), so the casts are done here, once.
+
 Parameters of other layers (LayerNorm, embeddings) get their gradients during ``I``:
 they are cheap, and the zero-bubble paper too defers only the matmul weight gradients.
 The store holds each layer's input and output gradient between ``I`` and ``W``: that is
@@ -47,7 +54,17 @@ def weight_grads(x: torch.Tensor, grad_out: torch.Tensor, has_bias: bool) -> tup
     return gw, (g2.sum(0) if has_bias else None)
 
 
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast runs a linear layer on ``x`` in (None: autocast is off on ``x``'s device, or ``x`` is not
+    a tensor autocast casts: integer or fp64)."""
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind) or not x.is_floating_point() or x.dtype == torch.float64:
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
 def _accumulate(p: nn.Parameter, g: torch.Tensor) -> None:
+    g = g.to(p.dtype)  # a half gradient of an fp32 parameter (autocast): widened, as autograd's cast-back does
     # With a gradient buffer the gradient goes where autograd's would: into main_grad, past .grad.
     if has_main_grad(p):
         p.grad_buffer.accumulate(p, g)
@@ -124,12 +141,18 @@ class _SplitLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(fn: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 layer: SplitLinear) -> torch.Tensor:
+        dtype = _autocast_dtype(x)
+        if dtype is not None:  # autocast's casts, made here so the backward keeps (and uses) the half copies
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
         fn.save_for_backward(x, weight)
         fn.layer = layer
-        return F.linear(x, weight, bias)
+        return F.linear(x, weight, bias)  # half inputs: autocast leaves them as they are
 
     @staticmethod
     def backward(fn: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        # x and weight are in the dtype the forward's matmul ran in, and so is grad_out (the output's gradient):
+        # every matmul below runs in that dtype; autograd widens the returned gradients to the inputs' dtypes.
         x, weight = fn.saved_tensors
         layer: SplitLinear = fn.layer
         grad_x = grad_out.matmul(weight) if fn.needs_input_grad[0] else None

@@ -11,10 +11,11 @@ next to the step times the TP, pipeline and ZeRO benches measured (``cpu-box`` h
 
 Modules, one job each: :mod:`.model` (the model and its batch), :mod:`.params` (parameter counts),
 :mod:`.hardware` (devices and links, presets), :mod:`.layout` (parallel sizes and options, checked),
-:mod:`.states` (model-state bytes, ZeRO), :mod:`.activations` (Korthikanti et al. 2022), :mod:`.memory` (a
-stage's peak), :mod:`.comm` (collectives per axis), :mod:`.timing` (flops, step, rooflines),
-:mod:`.estimate`, :mod:`.search`, :mod:`.terms` (a number with its formula), :mod:`.calibrate` (the cpu-box
-from committed measurements), :mod:`.validate` (against the benches), :mod:`.long_context` (activations per
+:mod:`.states` (model-state bytes, ZeRO), :mod:`.activations` (Korthikanti et al. 2022), :mod:`.autocast` (what
+``torch.autocast`` keeps: ``Layout.mixed="autocast"``), :mod:`.memory` (a stage's peak), :mod:`.comm`
+(collectives per axis), :mod:`.timing` (flops, step, rooflines), :mod:`.estimate`, :mod:`.search`, :mod:`.terms`
+(a number with its formula), :mod:`.calibrate` (the cpu-box from committed measurements), :mod:`.validate`
+(against the benches), :mod:`.validate_memory` (memory against the H200 runs), :mod:`.long_context` (activations per
 device against sequence length, TP+SP alone and with cp). Pure arithmetic: no processes,
 no tensors; it reuses :mod:`lslm.metrics`' formulas (Korthikanti's layer bytes, the collectives' cost model).
 """

@@ -3,9 +3,11 @@
 A preset model (``--model gpt3-175b``) or one described by flags (``--layers --hidden --heads ...``), a
 hardware preset with its numbers overridden (``--peak-tflops``, ``--efficiency``, ``--hbm-gb``,
 ``--devices-per-node``, ``--intra-gbps``/``--inter-gbps``, ``--intra-alpha-us``/``--inter-alpha-us``), and a layout
-(``--dp --dp-shard --tp --pp --v --cp --cp-method --zero --sp --recompute --precision``; ``--search-cp 1 2 4 8``
-lets the search choose context parallelism). ``--validate`` prints the time model against the committed bench step
-times instead (:mod:`lslm.plan.validate`). Bad input is refused through ``parser.error`` with the calculator's own
+(``--dp --dp-shard --tp --pp --v --cp --cp-method --zero --sp --recompute --precision --mixed``; ``--search-cp 1 2
+4 8`` lets the search choose context parallelism; ``--mixed autocast`` prices ``torch.autocast`` over fp32 weights
+instead of Megatron-style half weights with fp32 masters). ``--validate`` prints the time model against the
+committed bench step times instead (:mod:`lslm.plan.validate`), and the memory model against the H200 runs
+(:mod:`lslm.plan.validate_memory`). Bad input is refused through ``parser.error`` with the calculator's own
 message (what to change).
 """
 
@@ -17,10 +19,11 @@ from typing import Any
 
 from lslm.plan.estimate import estimate
 from lslm.plan.hardware import PRECISIONS, Link, hardware_presets
-from lslm.plan.layout import CP_METHODS, OFFLOADS, RECOMPUTE, Layout
+from lslm.plan.layout import CP_METHODS, MIXED, OFFLOADS, RECOMPUTE, Layout
 from lslm.plan.model import ModelSpec, model_presets
 from lslm.plan.search import search
-from lslm.plan.validate import format_validation, load_results, validate
+from lslm.plan.validate import format_validation, load_results, results_dir, validate
+from lslm.plan.validate_memory import format_memory_validation, load_gpu_rows, validate_memory
 
 __all__ = ["EPILOG", "add_arguments", "run"]
 
@@ -30,6 +33,7 @@ examples:
   lslm plan --model llama3-8b --devices 8 --search --flash
   lslm plan --model llama3-8b --seq 65536 --devices 16 --tp 8 --cp 2 --sp --flash
   lslm plan --model llama3-8b --seq 131072 --devices 32 --search --search-cp 1 2 4 8 --flash
+  lslm plan --layers 24 --hidden 1024 --heads 16 --vocab 50304 --seq 2048 --micro-batch 8 --flash --mixed autocast
   lslm plan --layers 24 --hidden 2048 --heads 16 --vocab 50257 --seq 2048 --global-batch 512 --devices 64 --search
   lslm plan --validate"""
 
@@ -74,13 +78,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="with --sp: keep the gathered inputs instead of all-gathering them again in backward")
     lay.add_argument("--recompute", choices=RECOMPUTE, default="none", help="activation recomputation")
     lay.add_argument("--precision", choices=PRECISIONS, default="bf16", help="default bf16 (fp32 masters)")
+    lay.add_argument("--mixed", choices=MIXED, default="masters",
+                     help="with bf16/fp16: 'masters' (default), half weights with fp32 masters, Megatron/DeepSpeed "
+                          "(18 bytes/param with fp32 main_grad, 16 with half gradients), half activations; "
+                          "'autocast', torch.autocast over fp32 weights (16 bytes/param), activations a mix: the fp32 "
+                          "residual, the weights' half copies, the loss's fp32 temporaries")
     lay.add_argument("--flash", action="store_true", help="fused attention: no s^2 activations kept")
     p.add_argument("--search", action="store_true", help="rank the layouts that fit --devices by step time")
     p.add_argument("--search-cp", type=int, nargs="+", default=[1], metavar="CP",
                    help="context-parallel sizes --search tries, with --cp-method (default: 1)")
     p.add_argument("--top", type=int, default=10, help="layouts --search prints (default 10)")
     p.add_argument("--validate", action="store_true",
-                   help="the time model against the committed TP, pipeline and ZeRO bench step times (cpu-box)")
+                   help="the time model against the committed TP, pipeline and ZeRO bench step times (cpu-box), "
+                        "and the memory model against lslm's GPT measured on an H200 in bf16 autocast")
     p.add_argument("--results", default=None, help="with --validate: the folder of the bench JSON files "
                                                    "(default bench/results)")
 
@@ -115,6 +125,15 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             rows = validate(load_results(ns.results))
             print("the calculator (cpu-box preset) against the committed benches' measured step times")
             print(format_validation(rows))
+            print()
+            try:
+                gpu = load_gpu_rows(results_dir(ns.results) / "gpu")
+            except ValueError as exc:  # the time rows stand on their own
+                print(f"(memory against the H200 runs not shown: {exc})")
+                return 0
+            print("the calculator (mixed='autocast', flash attention) against lslm's GPT on one H200, bf16 autocast: "
+                  "peak and states before the forward (memory_allocated)")
+            print(format_memory_validation(validate_memory(gpu)))
             return 0
         if ns.results is not None:
             parser.error("--results goes with --validate")
@@ -140,6 +159,7 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if ns.devices is None:
                 parser.error("--search needs --devices (how many devices to lay the model out on)")
             found = search(model, hw, ns.devices, precision=ns.precision, flash_attention=ns.flash, top=ns.top,
+                           mixed=ns.mixed,
                            context_parallel=tuple(ns.search_cp), cp_methods=(ns.cp_method,))
             if not found:
                 print(f"no layout of {model.name} fits {ns.devices} x {hw.name} "
@@ -159,7 +179,8 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         dp = ns.dp if ns.dp is not None else (ns.devices // world_rest if ns.devices else 1)
         layout = Layout(dp=dp, dp_shard=ns.dp_shard, tp=ns.tp, pp=ns.pp, v=ns.v, cp=ns.cp, cp_method=ns.cp_method,
                         zero=ns.zero, offload=ns.offload, sequence_parallel=ns.sp, recompute=ns.recompute,
-                        precision=ns.precision, flash_attention=ns.flash, regather=not ns.no_regather)
+                        precision=ns.precision, flash_attention=ns.flash, regather=not ns.no_regather,
+                        mixed=ns.mixed)
         print(estimate(model, layout, hw, ns.devices).format())
         return 0
     except ValueError as exc:

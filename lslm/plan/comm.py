@@ -259,7 +259,8 @@ def _pp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
     # Neighbouring stages are dp·cp·tp devices apart: once the pipeline spans more than a node some hop crosses
     # nodes, and the pipeline runs at its slowest hop.
     link = hw.link(layout.dp * layout.cp * layout.tp * layout.pp)
-    e = 4 if layout.precision == "fp32" else 2
+    # The stage boundary is the residual stream: fp32 under autocast (lslm.plan.autocast)
+    e = 4 if layout.precision == "fp32" or layout.mixed == "autocast" else 2
     region = layout.tp if layout.sequence_parallel else 1
     a = e * model.seq_len // layout.cp * model.micro_batch * model.hidden / region
     sends = pp_sends(layout.pp, layout.v, m, stage)

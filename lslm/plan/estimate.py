@@ -10,7 +10,8 @@ with one alpha-beta cost per link kind, or per algorithm where the link has its 
 tree algorithms, no congestion between concurrent groups); no overlap of tensor-parallel or pipeline
 communication (the context-parallel ring's overlap with attention is modelled); the optimizer step's time only
 where the hardware gives a streaming rate (the ``cpu-box`` does); memory fragmentation is
-``Hardware.reserved_bytes``, not modelled.
+``Hardware.reserved_bytes``, not modelled. Mixed precision is Megatron's half weights with fp32 masters, or
+``torch.autocast`` over fp32 weights (``Layout.mixed``, :mod:`.autocast`).
 """
 
 from __future__ import annotations
@@ -90,6 +91,13 @@ class Estimate:
             rows.append(("memory", name, term.formatted(), f"{term.formula}  [{term.source}]"))
         a0 = mem.activations_without_recompute
         rows.append(("memory", "(activations without recompute)", a0.formatted(), a0.formula))
+        if not mem.grads_at_peak:
+            rows.append(("memory", "(gradients created in backward)", format_bytes_gb(mem.states_before_forward),
+                         "states before the forward: .grad set to None, created as activations are freed (autocast, "
+                         "no accumulation); peak = max(these + activations, all states at the backward's end)"))
+        for moment, value in mem.moments.items():
+            rows.append(("memory", f"(activations at {moment})", format_bytes_gb(value),
+                         "lslm.plan.autocast: the peak is the largest moment"))
         verdict = "fits" if self.fits else "does NOT fit"
         rows.append(("memory", "total", format_bytes_gb(mem.total),
                      f"{verdict} in {format_bytes_gb(self.hardware.usable_bytes)} usable"))

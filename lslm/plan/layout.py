@@ -10,8 +10,14 @@ Options: ``zero`` (0: plain data parallelism; 1-3: ZeRO stages, Rajbhandari et a
 its memory is counted as ``"cpu"``'s),
 ``sequence_parallel`` (Korthikanti et al. 2022 §4.2.2), ``recompute`` (``"none"``, ``"selective"``: the
 attention core, §5; ``"full"``: every layer keeps only its input), ``precision`` (``fp32``; ``bf16``/``fp16``
-with fp32 master weights), ``grad_dtype`` (``"fp32"``: Megatron's and lslm's fp32 ``main_grad``; ``"param"``:
-gradients in the parameters' dtype, the ZeRO paper's accounting), ``v`` virtual stages per pipeline rank
+with fp32 master weights), ``mixed`` (with ``bf16``/``fp16``, how the half precision is applied:
+``"masters"``, Megatron's and DeepSpeed's: half-precision parameters, fp32 master weights and Adam, every
+activation in the half dtype, 16 bytes per parameter with half gradients or 18 with fp32 ``main_grad``;
+``"autocast"``, ``torch.autocast`` over fp32 parameters: fp32 parameters, gradients and Adam, no separate
+masters, 16 bytes per parameter, activations a mix of fp32 and half by autocast's op lists,
+:mod:`lslm.plan.autocast`), ``grad_dtype`` (``"fp32"``: Megatron's and lslm's fp32 ``main_grad``; ``"param"``:
+gradients in the parameters' dtype, the ZeRO paper's accounting; under autocast the parameters are fp32, so
+both are fp32), ``v`` virtual stages per pipeline rank
 (interleaved 1F1B), ``flash_attention`` (no ``s^2`` tensors kept), ``regather`` (with sequence parallelism
 the column-parallel layers keep their sharded input and all-gather it again in backward, Megatron's choice and
 lslm's for its GPT; False keeps the gathered input), ``bucket_mb`` (data-parallel bucket size, which sets how
@@ -36,12 +42,13 @@ from dataclasses import dataclass
 from lslm.plan.hardware import PRECISIONS
 from lslm.plan.model import ModelSpec
 
-__all__ = ["CP_METHODS", "OFFLOADS", "OPTIMIZERS", "RECOMPUTE", "Layout", "check_layout", "microbatches"]
+__all__ = ["CP_METHODS", "MIXED", "OFFLOADS", "OPTIMIZERS", "RECOMPUTE", "Layout", "check_layout", "microbatches"]
 
 RECOMPUTE = ("none", "selective", "full")
 OFFLOADS = ("none", "cpu", "disk")
 OPTIMIZERS = ("adamw", "sgd-momentum")
 CP_METHODS = ("ring", "ulysses")
+MIXED = ("masters", "autocast")
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,7 @@ class Layout:
     optimizer: str = "adamw"
     cp_method: str = "ring"
     dp_shard: int | None = None
+    mixed: str = "masters"
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "v", "cp"):
@@ -82,6 +90,11 @@ class Layout:
             raise ValueError(f"Layout.recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"Layout.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.mixed not in MIXED:
+            raise ValueError(f"Layout.mixed must be one of {MIXED}, got {self.mixed!r}")
+        if self.mixed == "autocast" and self.precision == "fp32":
+            raise ValueError("mixed='autocast' casts to a half dtype: it needs precision 'bf16' or 'fp16' "
+                             "(precision='fp32' trains without autocast)")
         if self.grad_dtype not in ("fp32", "param"):
             raise ValueError(f"Layout.grad_dtype must be 'fp32' (main_grad) or 'param', got {self.grad_dtype!r}")
         if self.sequence_parallel and self.tp == 1:
@@ -138,7 +151,7 @@ class Layout:
             opts.append(f"offload {self.offload}")
         if self.sequence_parallel:
             opts.append("SP")
-        opts += [f"recompute {self.recompute}", self.precision]
+        opts += [f"recompute {self.recompute}", self.precision + (" autocast" if self.mixed == "autocast" else "")]
         return " x ".join(parts) + ", " + ", ".join(opts)
 
 

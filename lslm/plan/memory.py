@@ -17,13 +17,21 @@ accumulator being filled, the one sent and the one received, five blocks of ``2 
 send and receive buffers of q, k, v, ``2 (u_q + 2 u_kv)``), for one layer at a time, not divided further by
 ``cp``. Transient all-gather outputs of sequence parallelism are one layer's input and are not counted.
 
+Under ``torch.autocast`` (``Layout.mixed == "autocast"``) the activations are :mod:`lslm.plan.autocast`'s count
+(the fp32 residual stream, the weights' half copies, the loss's fp32 temporaries, at the stage's peak moment), and
+the gradients may not be resident at that peak: torch's recipe zeroes them with ``set_to_none=True`` (its default),
+so ``.grad`` tensors are created in backward as the activations are freed. They are absent at the activation peak
+when nothing else holds them: one micro-batch per step (no accumulation), no data parallelism (DDP's buckets and
+lslm's gradient buffer are allocated once and kept), no pipeline. Then the peak is the larger of the states
+without gradients plus the activations, and every state plus what the backward leaves (the caller's logits).
+
 Only the first and the last stage need evaluating: a middle stage holds fewer parameters than the first and
 fewer micro-batches in flight.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lslm.plan.activations import (
     cp_units,
@@ -33,14 +41,15 @@ from lslm.plan.activations import (
     layer_activation_bytes,
     layer_formula,
 )
+from lslm.plan.autocast import autocast_activations
 from lslm.plan.layout import Layout
 from lslm.plan.model import ModelSpec
 from lslm.plan.params import param_parts
 from lslm.plan.states import ModelStates, bytes_per_element, model_states
 from lslm.plan.terms import Term
 
-__all__ = ["StageMemory", "layer_params_per_rank", "most_loaded", "replicated_params", "stage_memory", "stage_params",
-           "stage_split"]
+__all__ = ["StageMemory", "gradients_at_peak", "layer_linear_params", "layer_params_per_rank", "most_loaded",
+           "replicated_params", "stage_memory", "stage_params", "stage_split"]
 
 KORTHIKANTI = "Korthikanti et al. 2022, Table 2 / §4.2.3 / §5"
 
@@ -55,6 +64,13 @@ def layer_params_per_rank(model: ModelSpec, t: int) -> int:
     kv = model.kv_heads * model.head_dim
     kv_shards = min(t, model.kv_heads)
     return 2 * h + (2 * h * h + 3 * h * f) // t + 2 * h * kv // kv_shards
+
+
+def layer_linear_params(model: ModelSpec, t: int) -> int:
+    """Elements of one layer's weights and biases that autocast casts (its linears'), on one tensor-parallel rank:
+    the layer's parameters less its norms' (LayerNorm weights and biases, or RMSNorm weights: run in fp32)."""
+    norms = (4 * model.hidden if model.bias else 2 * model.hidden) if model.arch == "gpt" else 2 * model.hidden
+    return layer_params_per_rank(model, t) - norms
 
 
 def replicated_params(model: ModelSpec, layout: Layout, stage: int) -> int:
@@ -106,6 +122,12 @@ class StageMemory:
     activations: Term
     activations_without_recompute: Term
     buffers: dict[str, Term]
+    #: whether the gradients exist at the activations' peak (module doc: not under autocast without accumulation)
+    grads_at_peak: bool = True
+    #: bytes of activations still held after the backward (the caller's logits under autocast)
+    after_backward: float = 0.0
+    #: under autocast, the activation bytes at each moment of the step (lslm.plan.autocast)
+    moments: dict[str, float] = field(default_factory=dict)
 
     @property
     def owners(self) -> dict[str, Term]:
@@ -113,13 +135,36 @@ class StageMemory:
         return {**self.states.device, "activations": self.activations, **self.buffers}
 
     @property
+    def states_before_forward(self) -> float:
+        """Model-state bytes resident when a step's forward starts: all of them, less the gradients where they are
+        created in backward (``grads_at_peak`` False)."""
+        grads = 0.0 if self.grads_at_peak else self.states.device["gradients"].value
+        return self.states.device_bytes - grads
+
+    @property
     def total(self) -> float:
-        """Peak bytes on the device."""
-        return sum(t.value for t in self.owners.values())
+        """Peak bytes on the device: every owner at once, or, where the gradients are created in backward, the
+        larger of the activations' peak without them and the end of the backward with them (module doc)."""
+        every = sum(t.value for t in self.owners.values())
+        if self.grads_at_peak:
+            return every
+        buffers = sum(t.value for t in self.buffers.values())
+        at_activation_peak = self.states_before_forward + self.activations.value + buffers
+        return max(at_activation_peak, self.states.device_bytes + buffers + self.after_backward)
+
+
+def gradients_at_peak(layout: Layout, m: int) -> bool:
+    """Whether the gradients are resident at the activations' peak (module doc): always with Megatron-style
+    masters (the fp32 ``main_grad`` buffer); under autocast only with accumulation, data or pipeline parallelism."""
+    return not (layout.mixed == "autocast" and m == 1 and layout.pp == 1 and layout.dp * layout.cp == 1)
 
 
 def _activations(model: ModelSpec, layout: Layout, m: int, stage: int, recompute: str,
                  mask_bytes: int) -> tuple[float, str]:
+    if layout.mixed == "autocast":
+        a = autocast_activations(model, layout, m, stage, recompute, layer_linear_params(model, layout.tp),
+                                 mask_bytes=mask_bytes)
+        return a.value, a.formula
     one = layer_activation_bytes(model, layout, recompute, mask_bytes=mask_bytes)
     rank_layers = in_flight_layers(model, layout, m, stage)
     total = rank_layers * one
@@ -146,8 +191,15 @@ def stage_memory(model: ModelSpec, layout: Layout, m: int, stage: int, *, dp_ran
     states = model_states(psi, layout, rank=dp_rank)
     with_r, f_with = _activations(model, layout, m, stage, layout.recompute, mask_bytes)
     without, f_without = _activations(model, layout, m, stage, "none", mask_bytes)
-    acts = Term("activations", with_r, "B", f_with, KORTHIKANTI)
-    acts0 = Term("activations (no recompute)", without, "B", f_without, KORTHIKANTI)
+    source = "lslm.plan.autocast (torch.autocast's op lists)" if layout.mixed == "autocast" else KORTHIKANTI
+    acts = Term("activations", with_r, "B", f_with, source)
+    acts0 = Term("activations (no recompute)", without, "B", f_without, source)
+    moments: dict[str, float] = {}
+    after = 0.0
+    if layout.mixed == "autocast":
+        a = autocast_activations(model, layout, m, stage, layout.recompute, layer_linear_params(model, layout.tp),
+                                 mask_bytes=mask_bytes)
+        moments, after = a.moments, a.after_backward
     width = bytes_per_element(layout)
     n = layout.dp_shard_size * layout.cp
     bucket = layout.bucket_mb * 2**20
@@ -164,7 +216,7 @@ def stage_memory(model: ModelSpec, layout: Layout, m: int, stage: int, *, dp_ran
             "2 layers gathered (current + prefetched) x p + 1 layer of gradients staged x g",
             "ZeRO §5.3; lslm.zero (one unit of look-ahead)")
     if layout.pp > 1:
-        e = 2 if layout.precision != "fp32" else 4
+        e = 2 if layout.precision != "fp32" and layout.mixed != "autocast" else 4  # autocast: the fp32 residual
         region = layout.tp if layout.sequence_parallel else 1
         recv = 2 * e * model.seq_len // layout.cp * model.micro_batch * model.hidden / region
         buffers["pipeline receive buffers"] = Term("pipeline receive buffers", recv, "B",
@@ -181,7 +233,7 @@ def stage_memory(model: ModelSpec, layout: Layout, m: int, stage: int, *, dp_ran
             buffers["Ulysses all-to-all buffers"] = Term(
                 "Ulysses all-to-all buffers", 2 * (uq + 2 * ukv), "B",
                 "send + receive of q, k, v: 2 (u_q + 2u_kv), one layer at a time", "lslm.context_parallel.ulysses")
-    return StageMemory(stage, psi, states, acts, acts0, buffers)
+    return StageMemory(stage, psi, states, acts, acts0, buffers, gradients_at_peak(layout, m), after, moments)
 
 
 def most_loaded(model: ModelSpec, layout: Layout, m: int, *,

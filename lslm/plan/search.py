@@ -39,7 +39,7 @@ def search(model: ModelSpec, hardware: Hardware, devices: int, *, precision: str
            micro_batches: Sequence[int] = (1, 2, 4, 8), virtual_stages: Sequence[int] = (1, 2, 4),
            max_tp: int | None = None, flash_attention: bool = False, zero_with_pp: bool = False, top: int = 10,
            fitting_only: bool = True, context_parallel: Sequence[int] = (1,),
-           cp_methods: Sequence[str] = ("ring",)) -> list[Estimate]:
+           cp_methods: Sequence[str] = ("ring",), mixed: str = "masters") -> list[Estimate]:
     """The ``top`` layouts of ``model`` on ``devices`` devices of ``hardware``, fastest first (module doc).
 
     ``max_tp`` defaults to ``hardware.devices_per_node`` (tensor parallelism across nodes is rarely worth it,
@@ -49,7 +49,8 @@ def search(model: ModelSpec, hardware: Hardware, devices: int, *, precision: str
     ZeRO-2/3 with pipeline parallelism, which DeepSpeed refuses and Megatron does not offer (their gradients,
     and stage 3's parameters, would cross the data-parallel group every micro-batch); off by default.
     ``context_parallel``: the ``cp`` sizes to try (each must divide the devices left after ``tp``);
-    ``cp_methods``: ``"ring"`` and/or ``"ulysses"`` for ``cp > 1``. Selective recomputation is not tried where
+    ``cp_methods``: ``"ring"`` and/or ``"ulysses"`` for ``cp > 1``; ``mixed``: ``Layout.mixed`` of every layout
+    (``"autocast"``: torch.autocast over fp32 weights). Selective recomputation is not tried where
     the attention core keeps no ``s^2`` tensors (flash attention, ``cp > 1``): it would keep the bytes of
     none for more time (:mod:`lslm.plan.activations`).
     """
@@ -84,7 +85,7 @@ def search(model: ModelSpec, hardware: Hardware, devices: int, *, precision: str
                             for rc in recompute:
                                 layout = Layout(dp=dp, tp=tp, pp=pp, v=v, cp=cp, cp_method=method, zero=zero,
                                                 sequence_parallel=tp > 1, recompute=rc, precision=precision,
-                                                flash_attention=flash_attention)
+                                                mixed=mixed, flash_attention=flash_attention)
                                 if rc == "selective" and not core_keeps_scores(layout, "none"):
                                     continue  # dominated by "none": the same bytes, more time
                                 try:

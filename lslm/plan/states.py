@@ -4,7 +4,10 @@ For the ``Ψ`` parameters a device holds (its pipeline stage, its tensor-paralle
 ranks sharing them (HSDP: ``N = dp_shard · cp``, the states replicated ``dp / dp_shard`` times), Adam (two
 fp32 moments, 8 bytes), and bytes per element ``p`` (parameters: 4 fp32, 2
 bf16/fp16), ``g`` (gradients: 4 with an fp32 ``main_grad``, Megatron's and lslm's default, or ``p``), ``k``
-(fp32 master weights: 4 in bf16/fp16, 0 in fp32, where the parameters are the masters):
+(fp32 master weights: 4 in bf16/fp16, 0 in fp32, where the parameters are the masters). Under
+``torch.autocast`` (``Layout.mixed == "autocast"``) the parameters stay fp32 and are the masters: ``p = g = 4``,
+``k = 0``, 16 bytes per parameter with Adam; autocast's half copies of the weights are activations
+(:mod:`lslm.plan.autocast`), not states:
 
 =======  ==============  ==============  ==============  ==============
 stage    parameters      gradients       masters         optimizer
@@ -48,9 +51,10 @@ SOURCE = "ZeRO §5.4 (Rajbhandari et al. 2020); Megatron-LM distributed optimize
 
 def bytes_per_element(layout: Layout) -> dict[str, int]:
     """``p, g, k`` and Adam's 8 for the layout's precision and gradient dtype (module doc)."""
-    p = 4 if layout.precision == "fp32" else 2
+    fp32_params = layout.precision == "fp32" or layout.mixed == "autocast"  # autocast: fp32 params are the masters
+    p = 4 if fp32_params else 2
     g = 4 if layout.grad_dtype == "fp32" else p
-    k = 0 if layout.precision == "fp32" else 4
+    k = 0 if fp32_params else 4
     return {"parameters": p, "gradients": g, "master_weights": k, "optimizer_states": ADAM_BYTES}
 
 
