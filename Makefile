@@ -6,6 +6,7 @@
 #                 so no "get notified about official Jupyter news?" pop-up; a learner's own settings still win)
 #   make test     install if needed, lint (ruff, then import-linter's layer contracts), run the whole test suite
 #                 (notebooks included)
+#   make test-portability  the numerically sensitive tests under each ATEN_CPU_CAPABILITY the CPU has
 #   make gpu-check  on a machine with GPUs: the CUDA tests, NCCL test cases, every recipe on CUDA, lslm doctor and
 #                 calibration measurements, in under five minutes, into bench/results/gpu/<gpu>_<date>.json
 #                 (lslm.bench.gpu_check); without a GPU it says so and exits 0
@@ -36,7 +37,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.lslm-installed
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: setup lab test lint notebooks doctor gpu-check clean
+.PHONY: setup lab test test-portability lint notebooks doctor gpu-check clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "lslm needs Python >= 3.10; set PYTHON=python3.x")'
@@ -58,6 +59,21 @@ lab: setup
 
 test: setup lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The tests most sensitive to float32 rounding, rerun under each of torch's CPU kernel sets the CPU supports
+# (ATEN_CPU_CAPABILITY: what another machine's kernels would do; README "Tests"). Not part of `make test`: three
+# passes would not fit the CI's time.
+PORTABILITY_TESTS ?= tests/test_zero.py tests/test_hsdp.py tests/test_zero_deepspeed.py tests/test_three_d.py \
+	tests/test_three_d_demo.py tests/test_onebit_adam.py tests/test_ddp.py tests/test_tp_dtensor.py \
+	tests/test_pipeline_torch_reference.py tests/test_recipe_zero.py notebooks
+CAPABILITIES ?= default $(shell grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo avx2) \
+	$(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo avx512)
+
+test-portability: setup
+	for cap in $(CAPABILITIES); do \
+		echo "== ATEN_CPU_CAPABILITY=$$cap"; \
+		ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest -p no:cacheprovider $(PORTABILITY_TESTS) $(PYTEST_ARGS) || exit 1; \
+	done
 
 # ruff (configured in pyproject.toml) over the package, tests and image scripts, then import-linter's contracts
 # (the package's layers and no import cycles, docs/architecture.md); runs first in `make test`.

@@ -116,6 +116,8 @@ SKIP = {
                       f"them under `make test`; {_MAKE_DRY_RUN}",
     "make clean": f"deletes the environment this test runs in; {_MAKE_DRY_RUN}",
     "make lint": f"ruff and lint-imports over the repository, the first step of `make test`; {_MAKE_DRY_RUN}",
+    "make test-portability": f"reruns part of the suite three times under ATEN_CPU_CAPABILITY (~40 min); those tests "
+                             f"run once under `make test`; {_MAKE_DRY_RUN}",
     'make test PYTEST_ARGS="tests/test_launch.py -x"': f"runs tests/test_launch.py, part of the suite; "
                                                        f"{_MAKE_DRY_RUN}",
     'make lab TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu126"':
