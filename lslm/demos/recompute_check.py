@@ -153,7 +153,7 @@ def autocast_rows(precisions: tuple[str, ...] = ("bf16", "fp16"), *, batch: int 
     from lslm.models.gpt import GPT, GPTConfig
 
     config = GPTConfig.tiny(dropout=dropout, **overrides)
-    x = torch.randint(0, config.vocab_size, (batch, config.block_size + 1),
+    x = torch.randint(0, config.vocab_size, (batch, config.block_size + 1),  # lslm: cpu-ok (CPU autocast only)
                       generator=torch.Generator().manual_seed(seed + 1))
     rows = []
     for precision in precisions:
