@@ -20,7 +20,8 @@ from typing import Any
 
 from lslm.exercises.core import Verdict
 
-_INFRASTRUCTURE = {"core", "launched", "registry", "source"}  # modules of lslm.exercises that hold no exercise
+# Modules of lslm.exercises that hold no exercise (the mechanism and its helpers).
+_INFRASTRUCTURE = {"core", "launched", "recorded", "registry", "source"}
 
 
 @dataclass(frozen=True)
