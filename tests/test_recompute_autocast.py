@@ -153,20 +153,32 @@ def test_pipeline_remat_reruns_under_the_forwards_autocast(precision: str) -> No
 
 
 def test_ring_attention_backward_recomputes_under_the_forwards_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under autocast, ring attention casts its inputs to bf16 (as autocast casts attention's) and runs its core
+    with autocast off (an fp32 score matmul under autocast would come back rounded to bf16); the backward re-enters
+    that state, so even a backward run inside an autocast recomputes the forward's fp32 scores: the gradients are
+    those of ring attention on bf16-cast inputs without autocast."""
     seen: list[Any] = []
     scores = ring._scores
 
     def probe(*args: Any) -> torch.Tensor:
-        seen.append(_state())
-        return scores(*args)
+        s = scores(*args)
+        seen.append((_state()[0], args[0].dtype, s.dtype))
+        return s
 
     monkeypatch.setattr(ring, "_scores", probe)
     group = CPGroup(comm=None, group=None, ranks=(0,), index=0)  # one rank: no messages
     q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = ring.ring_attention(q, k, v, group)
-    out.float().sum().backward()
-    assert seen == [(True, torch.bfloat16)] * 2  # the forward's scores, then the backward's recomputed ones
+        assert out.dtype == torch.bfloat16  # as autocast's attention returns
+        out.float().sum().backward()  # inside the autocast this time: the replay must not run under it
+    assert seen == [(False, torch.float32, torch.float32)] * 2  # the forward's scores, then the backward's
+    half = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    again = ring.ring_attention(*half, group)
+    again.float().sum().backward()
+    assert torch.equal(again, out)
+    for mine, ref in zip((q, k, v), half):
+        assert mine.grad.dtype == torch.float32 and torch.equal(mine.grad, ref.grad.float())
 
 
 def test_replaying_restores_the_streams_and_leaves_them_as_they_were() -> None:

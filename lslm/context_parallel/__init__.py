@@ -2,8 +2,10 @@
 
 * :mod:`.layout` - contiguous and zig-zag splits, global positions, attention work per rank;
 * :mod:`.group` - the cp ring as the cores see it (ledger, neighbours, one p2p step);
-* :mod:`.ring` - ring attention, forward and the written-out backward, log-sum-exp merges;
+* :mod:`.ring` - ring attention, forward and the written-out backward, log-sum-exp merges, accumulated in fp32
+  whatever the inputs' dtype;
 * :mod:`.ulysses` - DeepSpeed-Ulysses: all-to-all from sequence- to head-sharded and back;
+* both take fewer key/value heads than query heads (grouped-query attention);
 * :mod:`.traffic` - bytes per rank of both, as formulas the ledger is checked against;
 * :mod:`.apply` - :func:`apply_context_parallel` for lslm's GPT (alone or after ``apply_tensor_parallel``,
   with or without sequence parallelism), the sharded batch, loss and gradient sum (``.grad`` or the

@@ -59,8 +59,8 @@ from lslm.metrics.activation_theory import korthikanti_layer_bytes
 from lslm.plan.layout import Layout
 from lslm.plan.model import ModelSpec
 
-__all__ = ["core_keeps_scores", "cp_units", "embedding_mask_bytes", "in_flight_layers", "in_flight_microbatches",
-           "last_stage_extra_bytes", "layer_activation_bytes", "layer_formula"]
+__all__ = ["core_keeps_scores", "cp_element_size", "cp_units", "embedding_mask_bytes", "in_flight_layers",
+           "in_flight_microbatches", "last_stage_extra_bytes", "layer_activation_bytes", "layer_formula"]
 
 
 def _width(layout: Layout) -> int:
@@ -176,10 +176,15 @@ def last_stage_extra_bytes(model: ModelSpec, layout: Layout) -> float:
     return e * s * b * h / region + head_input + 4 * s * b * model.vocab / t
 
 
+def cp_element_size(layout: Layout) -> int:
+    """Bytes of one element of attention's q, k, v under ``layout``: 4 in fp32, else 2."""
+    return 4 if layout.precision == "fp32" else 2
+
+
 def cp_units(model: ModelSpec, layout: Layout) -> tuple[float, float]:
     """``(u_q, u_kv)``: bytes of one rank's queries, and of its keys (or values), for one layer and micro-batch
     (:mod:`lslm.plan.comm`; key/value heads split over ``min(t, kv)`` ranks, as in :mod:`lslm.plan.memory`)."""
-    e = 4 if layout.precision == "fp32" else 2
+    e = cp_element_size(layout)
     tokens = model.micro_batch * (model.seq_len // layout.cp)
     kv_local = model.kv_heads // min(layout.tp, model.kv_heads)
     return e * tokens * model.hidden / layout.tp, e * tokens * kv_local * model.head_dim

@@ -43,8 +43,10 @@ read at ``S`` (:attr:`lslm.plan.hardware.Link.measured`: the ``cpu-box`` preset'
   rank's queries) and ``u_kv`` (its keys, or values: ``kv/a`` of ``u_q``, at least one head per rank):
   the **ring** sends its key/value block ``c - 1`` times in the forward (``2 u_kv`` each, behind the attention
   of the block in hand), again ``c - 1`` times in the backward, and the dK/dV accumulator ``c`` times (it
-  travels the whole ring to come home); **Ulysses** all-to-alls q, k, v (``u_q + 2 u_kv``) and the output
-  (``u_q``) in the forward and their gradients in the backward, on the critical path. Recomputation (full or
+  travels the whole ring to come home, in fp32: ``2 u_kv · 4/e`` each); **Ulysses** all-to-alls q, k, v
+  (``u_q + 2 u_kv``; it needs the key/value heads of each tp rank divisible by ``c``, and lslm does not replicate
+  them) and the output (``u_q``) in the forward and their gradients in the backward, on the critical path.
+  Recomputation (full or
   selective: the attention core) repeats the forward's. The payloads are what lslm's ledger records (the
   ring's sends; Ulysses' whole all-to-all inputs, ``(c - 1)/c`` of which leave the rank): the same formulas as
   :func:`lslm.context_parallel.traffic.cp_traffic`, and a test equals them with the ledger of lslm's
@@ -58,7 +60,7 @@ import math
 from dataclasses import dataclass
 
 from lslm.metrics.collective_costs import cost_coefficients
-from lslm.plan.activations import cp_units
+from lslm.plan.activations import cp_element_size, cp_units
 from lslm.plan.hardware import Hardware, Link
 from lslm.plan.layout import Layout
 from lslm.plan.memory import replicated_params, stage_split
@@ -274,6 +276,7 @@ def _cp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
     c = layout.cp
     link = hw.link(c * layout.tp)
     uq, ukv = cp_units(model, layout)
+    acc = 4 / cp_element_size(layout)  # the ring's dK/dV accumulators travel in fp32 (lslm.context_parallel.ring)
     n = model.n_layer // layout.pp * m  # layer-micro-batches per step
     passes = 1 if layout.recompute == "none" else 2  # recomputation reruns the attention core's forward
     if layout.cp_method == "ring":
@@ -281,8 +284,8 @@ def _cp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
                           "c - 1 steps of 2u_kv per layer (x2 with recompute), behind the block's attention"),
                Collective("cp", "ring K/V blocks (backward)", "p2p", 2 * ukv, c, (c - 1) * n, link,
                           "c - 1 steps of 2u_kv per layer"),
-               Collective("cp", "ring dK/dV accumulators (backward)", "p2p", 2 * ukv, c, c * n, link,
-                          "c hops of 2u_kv per layer (the last one home)"))
+               Collective("cp", "ring dK/dV accumulators (backward)", "p2p", 2 * ukv * acc, c, c * n, link,
+                          "c hops of 2u_kv per layer (the last one home), in fp32"))
     else:
         qkv = uq + 2 * ukv
         out = (Collective("cp", "q, k, v all-to-all (forward)", "all_to_all_pairwise", qkv, c, passes * n, link,
