@@ -73,12 +73,12 @@ def test_after_the_forward_no_saved_tensor_holds_a_released_unit() -> None:
 
 @pytest.mark.skipif(malloc_in_use_bytes() is None, reason="glibc's mallinfo2 is needed to read the allocator")
 def test_the_allocator_sees_the_units_freed_and_stage_3_peaks_lowest() -> None:
-    """2 gloo ranks, the course GPT with 8 blocks and a 256-token vocabulary (the root small beside the units, so
+    """2 gloo ranks, the course GPT with 12 blocks and a 256-token vocabulary (the root small beside the units, so
     that stage 3's 1/N of the parameters outweighs the root and two units it gathers at once). The forward adds
     the same activations with and without freeing; kept gathered, it also adds every unit: within 10 % of
     units x unit bytes (other allocations of the process move the reading by a few kB). The whole step's peak,
     states included, is lowest at stage 3, by the allocator and by lslm's count alike."""
-    model = {**MODEL, "vocab_size": 256, "n_layer": 8, "n_embd": 96}
+    model = {**MODEL, "vocab_size": 256, "n_layer": 12, "n_embd": 96}
     for r in run_workers("lslm.demos.zero_demo:whole_picture", 2, timeout=240, model=model, rows=1,
                          bucket_cap_mb=0.5):
         z2, z3, keep = (r["entries"][k] for k in ("zero2", "zero3", "zero3-keep"))
