@@ -37,8 +37,9 @@ def suites(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]
     """One launch per world size, 2 then 3, sharing a checkpoint folder: first 4 ranks save a checkpoint, which the
     2-rank launch loads (4 -> 2), and 3 ranks load what 2 saved (2 -> 3)."""
     folder = tmp_path_factory.mktemp("zero-checkpoints")
-    run_workers("tests.zero_workers:save_at_four", 4, timeout=300, folder=str(folder))
-    return {n: run_workers("tests.zero_workers:suite", n, timeout=300, folder=str(folder))[0] for n in (2, 3)}
+    four = run_workers("tests.zero_workers:save_at_four", 4, timeout=300, folder=str(folder))
+    return {4: {"ranks": four},
+            **{n: run_workers("tests.zero_workers:suite", n, timeout=300, folder=str(folder))[0] for n in (2, 3)}}
 
 
 def test_slices_tile_each_bucket_and_pieces_tile_the_parameters() -> None:
@@ -94,6 +95,7 @@ def test_stage3_gathers_units_just_in_time_and_keeps_only_its_slice(nproc: int, 
     assert r["stage3_units"] == len(units) == 3  # the GPT's blocks; the root holds embeddings, ln_f and the head
     # Between steps every parameter is an empty tensor and a rank holds 1/N of the padded buffer.
     assert r["stage3_empty_between_steps"] and r["stage3_param_bytes"] == 4 * (sum(units) + root) // nproc
+    assert r["stage3_buffer_bytes_between_steps"] == 0  # the gathered buffers' storages are returned, not kept
     # At most the root, the unit computing and the one prefetched exist whole at once.
     assert r["stage3_max_buckets_gathered"] == 3
     # Traffic per step: each block gathered for its forward and again for its backward, the root once (kept for the
@@ -190,6 +192,31 @@ def test_a_sharded_checkpoint_resumes_exactly_and_reshards(nproc: int, suites: d
         assert c["reshard_exact"]
         assert c["reshard_2_to_here"] <= ATOL
         assert c["reshard_2_stage1_to_stage3_here"] <= ATOL
+
+
+def test_a_file_refused_on_one_rank_is_refused_on_every_rank(suites: dict) -> None:
+    """4 ranks, stage 1, one bucket: each rank reads only its own file, so a broken file is seen by one rank; the
+    ranks agree before publishing, so every rank refuses (naming the file), none changed anything, and the fallback
+    to the previous checkpoint resumes every rank at the same step, on the uninterrupted run's trajectory."""
+    ranks = suites[4]["ranks"]
+    assert len(ranks) == 4
+    for tag, file in (("truncated", "rank00000-of-00004.pt"), ("deleted", "rank00003-of-00004.pt")):
+        for r in ranks:
+            assert "refused on every rank" in r[f"{tag}_error"] and file in r[f"{tag}_error"], (tag, r["rank"])
+            assert r[f"{tag}_untouched"], (tag, r["rank"])
+        assert [r[f"{tag}_resumed_step"] for r in ranks] == [2, 2, 2, 2]
+        assert max(r[f"{tag}_fallback_diff"] for r in ranks) == 0.0  # save, fall back, the same step: bit for bit
+
+
+def test_a_load_reads_only_the_files_that_overlap_its_slice(suites: dict) -> None:
+    """One bucket of 24,528 elements (divisible by 2, 3 and 4: no padding moves a boundary). 4 -> 2: rank r reads the
+    two files of ranks 2r and 2r + 1 (not all four); 2 -> 3: ranks 0 and 2 one file each, rank 1 both."""
+    four_to_two, two_to_three = suites[2]["checkpoints"]["read_4_to_2"], suites[3]["checkpoints"]["read_2_to_3"]
+    for counted in (four_to_two, two_to_three):
+        assert counted["read"] == counted["needed"]  # every file read holds an element of the rank's slice
+    assert four_to_two["read"] == [["rank00000-of-00004.pt", "rank00001-of-00004.pt"],
+                                   ["rank00002-of-00004.pt", "rank00003-of-00004.pt"]]
+    assert [len(r) for r in two_to_three["read"]] == [1, 2, 1]
 
 
 def test_broken_checkpoints_are_refused_naming_the_file(suites: dict, tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -142,12 +142,39 @@ def _train(zero: ZeroOptimizer, model: GPT, batches: list, world: int, rank: int
         zero.step()
 
 
-def _fresh(ctx: ParallelContext, serial: GPT, stage: int,
-           dtype: torch.dtype = torch.float32) -> tuple[GPT, ZeroOptimizer]:
+def _fresh(ctx: ParallelContext, serial: GPT, stage: int, dtype: torch.dtype = torch.float32,
+           bucket_cap_mb: float | None = 0.02) -> tuple[GPT, ZeroOptimizer]:
     model = copy.deepcopy(serial)
     scaler = DynamicLossScaler(init_scale=2.0 ** 10) if dtype == torch.float16 else None
     return model, ZeroOptimizer(model, _adamw(model), ctx, stage=stage, dtype=dtype, scaler=scaler,
-                                bucket_cap_mb=0.02)
+                                bucket_cap_mb=bucket_cap_mb)
+
+
+def _files_read(zero: ZeroOptimizer, folder: Any) -> dict[str, list[list[str]]]:
+    """Load ``folder`` into ``zero``, counting the shard files each rank reads; also, per rank, the files that hold
+    an element of its pieces, found element by element (sets), not by the loader's range test."""
+    import lslm.zero.checkpoint as ckpt
+
+    read: list[str] = []
+    original = ckpt._read_shard
+
+    def counting(where: Any, record: Any) -> Any:
+        read.append(record["file"])
+        return original(where, record)
+
+    ckpt._read_shard = counting
+    try:
+        manifest = ckpt.load_zero(zero, folder)
+    finally:
+        ckpt._read_shard = original
+    names = {id(p): n for n, p in zero.model.named_parameters()}
+    mine = {(names[id(zero.params[pc.param])], e) for pc in zero.layout.pieces for e in range(pc.start, pc.stop)}
+    needed = sorted(rec["file"] for rec in manifest["shards"]
+                    if any((n, e) in mine for n, a, z in rec["ranges"] for e in range(a, z)))
+    both = [sorted(read), needed]
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, both)
+    return {"read": [g[0] for g in gathered], "needed": [g[1] for g in gathered]}
 
 
 def _params(zero: ZeroOptimizer, model: GPT) -> GPT:
@@ -222,6 +249,16 @@ def checkpoints(ctx: ParallelContext, serial: GPT, batches: list, folder: str) -
         plain = _ddp_from(ctx, serial, four, batches[2:])
         _train(zero_f, model_f, batches[2:], world, rank)
         out["reshard_4_to_here"] = _max_diff(model_f, plain)
+    # One bucket at stage 1: a rank's slice is one range, so it needs only the files whose ranges meet it.
+    one = root / "w4" / "stage1-onebucket" / "step2"
+    if world == 2 and one.exists():  # 4 -> 2: rank r of 2 holds what ranks 2r and 2r + 1 of 4 wrote
+        out["read_4_to_2"] = _files_read(_fresh(ctx, serial, 1, bucket_cap_mb=None)[1], one)
+        model_o, zero_o = _fresh(ctx, serial, 1, bucket_cap_mb=None)
+        _train(zero_o, model_o, batches[:2], world, rank)
+        save_zero(zero_o, root / "w2" / "stage1-onebucket" / "step2", step=2)
+    one = root / "w2" / "stage1-onebucket" / "step2"
+    if world == 3 and one.exists():  # 2 -> 3: ranks 0 and 2 of 3 lie inside one file each, rank 1 across both
+        out["read_2_to_3"] = _files_read(_fresh(ctx, serial, 1, bucket_cap_mb=None)[1], one)
     other = root / "w2" / "stage1-float32" / "step2"
     if world != 2 and other.exists():  # resharding: a 2-rank checkpoint continues at this world size
         model_r, zero_r = _fresh(ctx, serial, 1)
@@ -268,7 +305,47 @@ def save_at_four(folder: str) -> dict[str, Any]:
     model, zero = _fresh(ctx, serial, 3)
     _train(zero, model, batches[:2], ctx.world_size, ctx.rank)
     save_zero(zero, Path(folder) / "w4" / "stage3-float32" / "step2", step=2)
-    return {"rank": ctx.rank}
+    return {"rank": ctx.rank, **_refusals_at_four(ctx, serial, batches, Path(folder))}
+
+
+def _refusals_at_four(ctx: ParallelContext, serial: GPT, batches: list, root: Any) -> dict[str, Any]:
+    """Stage 1, one bucket, 4 ranks: a good checkpoint at step 2, a later one (step 3) broken in one file that only
+    one rank reads (truncated: rank 0's file; deleted: rank 3's). Every rank tries the broken one, then falls back
+    to the good one: each rank's error, whether the refused load changed anything, the step resumed, and how far
+    the fallback run is from the uninterrupted one after the same next step."""
+    import shutil
+
+    from lslm.zero.checkpoint import load_zero, save_zero, shard_name
+
+    world, rank = ctx.world_size, ctx.rank
+    model, zero = _fresh(ctx, serial, 1, bucket_cap_mb=None)
+    _train(zero, model, batches[:2], world, rank)
+    good = save_zero(zero, root / "w4" / "stage1-onebucket" / "step2", step=2)
+    _train(zero, model, batches[2:3], world, rank)
+    bad = save_zero(zero, root / "w4-truncated" / "step3", step=3)
+    torch.distributed.barrier()
+    deleted = root / "w4-deleted" / "step3"
+    if rank == 0:
+        shutil.copytree(bad, deleted)
+        (deleted / shard_name(3, world)).unlink()
+        first = bad / shard_name(0, world)
+        first.write_bytes(first.read_bytes()[:1000])
+    torch.distributed.barrier()
+    out: dict[str, Any] = {}
+    for tag, folder in (("truncated", bad), ("deleted", deleted)):
+        model_t, zero_t = _fresh(ctx, serial, 1, bucket_cap_mb=None)
+        before = [m.detach().clone() for m in zero_t.masters] + [p.detach().clone() for p in model_t.parameters()]
+        try:
+            load_zero(zero_t, folder)
+            out[f"{tag}_error"] = ""
+        except ValueError as e:
+            out[f"{tag}_error"] = str(e)
+        after = [m.detach() for m in zero_t.masters] + [p.detach() for p in model_t.parameters()]
+        out[f"{tag}_untouched"] = all(torch.equal(a, b) for a, b in zip(before, after)) and not zero_t.state
+        out[f"{tag}_resumed_step"] = load_zero(zero_t, good)["step"]
+        _train(zero_t, model_t, batches[2:3], world, rank)
+        out[f"{tag}_fallback_diff"] = _max_diff(model_t, model)
+    return out
 
 
 def suite(folder: str | None = None) -> dict[str, Any]:
@@ -298,6 +375,7 @@ def suite(folder: str | None = None) -> dict[str, Any]:
     out["stage3_max_buckets_gathered"] = zero3.max_buckets_gathered
     out["stage3_param_bytes"] = zero3.param_shard.numel() * 4
     out["stage3_empty_between_steps"] = all(p.numel() == 0 for p in model3.parameters())
+    out["stage3_buffer_bytes_between_steps"] = zero3.gather.storage_bytes()
     # Stage 3's traffic per step, with and without freeing each unit after its forward.
     ledger = ctx.comm.ledger
     for reshard in (True, False):

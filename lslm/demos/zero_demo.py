@@ -172,6 +172,34 @@ def suite(entries: list[str] | None = None, steps: int = STEPS, rows: int = ROWS
 PICTURE_ENTRIES = ("zero2", "zero3", "zero3-keep")
 
 
+class _MallocSampler:
+    """The most bytes glibc's allocator had handed out at any sampled point of a step (:mod:`lslm.metrics.malloc`):
+    sampled after every module's forward and at every parameter's gradient, i.e. through forward and backward. A
+    sampled maximum can only miss a peak between two samples: it is a lower bound of the true one."""
+
+    def __init__(self, net: nn.Module) -> None:
+        from lslm.metrics.malloc import malloc_in_use_bytes
+
+        self.read = malloc_in_use_bytes
+        self.peak = 0
+        self.on = False
+        self.handles = [m.register_forward_hook(self._hook) for m in net.modules()]
+        self.handles += [p.register_post_accumulate_grad_hook(self._hook) for p in net.parameters()]
+
+    def _hook(self, *_: Any) -> None:  # None: a forward hook's return value would replace the module's output
+        self.sample()
+
+    def sample(self) -> int:
+        now = self.read() or 0
+        if self.on:
+            self.peak = max(self.peak, now)
+        return now
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 def whole_picture(rows: int = ROWS, bucket_cap_mb: float = 0.1, model: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything one training step holds on this rank, not only the model states, for :data:`PICTURE_ENTRIES`.
 
@@ -183,8 +211,18 @@ def whole_picture(rows: int = ROWS, bucket_cap_mb: float = 0.1, model: dict[str,
     temporaries). The activations (what autograd saves for backward; the same for every entry: same
     model, same rows) are counted once on a plain copy of the model with
     :class:`~lslm.metrics.ActivationMemory`. ``bucket_cap_mb``: stage 2's buckets (stage 3's are its units).
+
+    The same step measured by glibc's allocator (:func:`~lslm.metrics.malloc.malloc_in_use_bytes`, which needs
+    nothing registered and so also sees a storage that only a tensor autograd saved keeps alive), ``None`` off glibc:
+    ``forward_malloc`` (the bytes the forward added: activations, and the units still held after it), ``peak_malloc``
+    (the sampled peak of the step over what it found) and ``total_malloc`` (that peak over what the process held before
+    this entry's model and optimizer were built: states, step and all). Stage 3 also reports
+    ``unit_bytes_after_forward``, the bytes the unit buffers' storages (the root's aside) hold right after the forward.
     """
+    import gc
+
     from lslm.metrics import ActivationMemory, track_live_bytes
+    from lslm.metrics.malloc import malloc_in_use_bytes
     from lslm.runtime import init_distributed
     from lslm.zero import ZeroOptimizer
 
@@ -195,25 +233,50 @@ def whole_picture(rows: int = ROWS, bucket_cap_mb: float = 0.1, model: dict[str,
         with ActivationMemory(plain) as act:
             _, loss = plain(data[0][:, :-1], data[0][:, 1:])
         loss.backward()
+        del plain, loss
         units = [sum(p.numel() for p in b.parameters()) for b in serial.blocks]
         out: dict[str, Any] = {"rank": rank, "world": world, "psi": sum(p.numel() for p in serial.parameters()),
                                "unit_numel": max(units), "root_numel": sum(p.numel() for p in serial.parameters())
                                - sum(units), "activations": act.bytes, "bucket_cap_mb": bucket_cap_mb, "entries": {}}
+        measured = malloc_in_use_bytes() is not None
+        # A throwaway step first: the first collectives and optimizer steps of a process allocate for good (gloo's
+        # transport buffers, kernels' caches), which the first entry's allocator figures would otherwise carry.
+        net = copy.deepcopy(serial).to(ctx.device)
+        zero = ZeroOptimizer(net, _adamw(net), ctx, stage=3, bucket_cap_mb=bucket_cap_mb)
+        zero.backward(net(data[0][:, :-1], data[0][:, 1:])[1])
+        zero.step()
+        del net, zero
         for kind in PICTURE_ENTRIES:
+            gc.collect()
+            before_build = malloc_in_use_bytes()
             net = copy.deepcopy(serial).to(ctx.device)
             zero = ZeroOptimizer(net, _adamw(net), ctx, stage=int(kind[4]), bucket_cap_mb=bucket_cap_mb,
                                  reshard_after_forward="keep" not in kind)
+            sampler = _MallocSampler(net)
             for i, batch in enumerate(data):
                 if i == 1:  # measure the second step: Adam's states exist, nothing is allocated for the first time
                     zero.peak_gathered_bytes = zero.peak_staging_bytes = 0
+                    gc.collect()
+                    sampler.on = True
+                start = sampler.sample()
                 with track_live_bytes() as live:
                     zero.zero_grad()
                     _, loss = net(batch[:, :-1], batch[:, 1:])
+                    after_forward = sampler.sample()
+                    unit_bytes = zero.gather.storage_bytes(units_only=True) if zero.gather is not None else 0
                     zero.backward(loss)
                     zero.step()
+                del loss
+                sampler.sample()
+            sampler.remove()
             out["entries"][kind] = {"held": held_by_owner(net, zero), "gathered": zero.peak_gathered_bytes,
                                     "staging": zero.peak_staging_bytes, "step_peak": int(live.peak[ctx.device.type]),
-                                    "buckets": [z - a for a, z, _, _ in zero.buckets]}
+                                    "buckets": [z - a for a, z, _, _ in zero.buckets],
+                                    "unit_bytes_after_forward": unit_bytes,
+                                    "forward_malloc": after_forward - start if measured else None,
+                                    "peak_malloc": sampler.peak - start if measured else None,
+                                    "total_malloc": sampler.peak - before_build if measured else None}
+            del net, zero, sampler
     return out
 
 

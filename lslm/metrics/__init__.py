@@ -15,7 +15,9 @@ Measurement (CPU and CUDA alike; :mod:`.memory` is the entry point and re-export
   code issues through ``torch.distributed``, as the dispatcher sees them: the peers lslm's ledger cannot see;
 * :mod:`.allocations` - :func:`count_allocations`, the bytes each aten op allocates (copies by name), on any
   device: what a communication layout costs in copies; :func:`track_live_bytes`, the exact peak of the bytes
-  a block of code holds at once (what building a model costs a rank at start).
+  a block of code holds at once (what building a model costs a rank at start);
+* :mod:`.malloc` - :func:`malloc_in_use_bytes`, what glibc's allocator has handed out now (``mallinfo2``): the
+  bytes nothing has to register, a saved view's storage included.
 
 Formulas (pure functions, no processes):
 
@@ -35,6 +37,7 @@ and ``lslm.demos.activation_check``.
 from lslm.metrics.activation_theory import korthikanti_layer_bytes, layer_terms
 from lslm.metrics.allocations import AllocationCount, LiveBytes, count_allocations, track_live_bytes
 from lslm.metrics.collective_costs import cost_coefficients, fit_alpha_beta, model_time
+from lslm.metrics.malloc import malloc_in_use_bytes
 from lslm.metrics.memory import (
     CATEGORIES,
     ActivationMemory,
@@ -72,6 +75,7 @@ __all__ = [
     "format_bytes",
     "korthikanti_layer_bytes",
     "layer_terms",
+    "malloc_in_use_bytes",
     "memory_by_owner",
     "memory_report",
     "model_state_bytes",

@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["AllocationCount", "COPY_OPS", "LiveBytes", "count_allocations", "track_live_bytes"]
+__all__ = ["AllocationCount", "COPY_OPS", "LiveBytes", "count_allocations", "note_storage_resize", "track_live_bytes"]
 
 #: aten ops whose output is a copy of an input (their bytes are the "copies" of :class:`AllocationCount`).
 COPY_OPS = ("aten.clone", "aten._to_copy", "aten.contiguous", "aten._unsafe_view_copy")
@@ -109,29 +109,63 @@ class _LiveTracker(TorchDispatchMode):
     def __init__(self, live: LiveBytes) -> None:
         super().__init__()
         self.live = live
-        self.alive: set[tuple[str, int]] = set()
+        # Keyed by the storage object (its C++ address, stable across a resize), not by the data pointer, which a
+        # resize changes: storage -> [device type, bytes charged now].
+        self.alive: dict[int, list[Any]] = {}
 
-    def _freed(self, key: tuple[str, int], nbytes: int) -> None:
-        self.alive.discard(key)
-        self.live._shrink(key[0], nbytes)
+    def _freed(self, key: int) -> None:
+        entry = self.alive.pop(key, None)
+        if entry is not None:
+            self.live._shrink(entry[0], entry[1])
+
+    def _track(self, storage: Any, device: str, nbytes: int) -> None:
+        self.alive[storage._cdata] = [device, nbytes]
+        self.live._grow(device, nbytes)
+        # Storages keep their Python object while any tensor uses them: the finalizer runs at the free.
+        weakref.finalize(storage, self._freed, storage._cdata)
+
+    def resized(self, storage: Any, device: str, nbytes: int) -> None:
+        """``storage`` now holds ``nbytes``: a re-growth inside the block is an allocation, a shrink of one made
+        inside the block a free (storages from before the block stay uncounted, as with every other tensor)."""
+        entry = self.alive.get(storage._cdata)
+        if entry is None:
+            if nbytes:
+                self._track(storage, device, nbytes)
+            return
+        if nbytes >= entry[1]:
+            self.live._grow(device, nbytes - entry[1])
+        else:
+            self.live._shrink(device, entry[1] - nbytes)
+        entry[1] = nbytes
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        seen = _storages((args, kwargs))
+        leaves, _ = tree_flatten((args, kwargs))
+        seen = {t.untyped_storage()._cdata for t in leaves if isinstance(t, torch.Tensor) and not t.is_meta}
         leaves, _ = tree_flatten(out)
         for t in leaves:
             if not isinstance(t, torch.Tensor) or t.is_meta or t.numel() == 0:
                 continue
             storage = t.untyped_storage()
-            key = (t.device.type, storage.data_ptr())
-            if key[1] in seen or key in self.alive:
+            if storage._cdata in seen or storage._cdata in self.alive:
                 continue
-            nbytes = storage.nbytes()
-            self.alive.add(key)
-            self.live._grow(key[0], nbytes)
-            # Storages keep their Python object while any tensor uses them: the finalizer runs at the free.
-            weakref.finalize(storage, self._freed, key, nbytes)
+            self._track(storage, t.device.type, storage.nbytes())
         return out
+
+
+#: The trackers of the :func:`track_live_bytes` blocks now open (innermost last).
+_TRACKERS: list[_LiveTracker] = []
+
+
+def note_storage_resize(storage: Any, device: str, nbytes: int) -> None:
+    """Tell the open :func:`track_live_bytes` blocks that ``storage`` (an ``UntypedStorage``) now holds ``nbytes``.
+
+    A storage's ``resize_`` (how ZeRO-3 frees and re-grows a gathered unit, :mod:`lslm.zero.gather`) runs
+    below the dispatcher, where a dispatch mode cannot see it: code that resizes storages calls this.
+    Nothing happens when no block is open.
+    """
+    for tracker in _TRACKERS:
+        tracker.resized(storage, device, nbytes)
 
 
 @contextmanager
@@ -142,9 +176,15 @@ def track_live_bytes() -> Iterator[LiveBytes]:
 
     Each new storage an aten op creates inside the block is counted from its allocation to its
     free (a finalizer on the storage); storages that existed before the block are not counted,
-    nor are buffers allocated inside C++ collectives. Used to measure what building a model costs
-    a rank at start (:mod:`lslm.models.deferred_init`).
+    nor are buffers allocated inside C++ collectives. A storage resized by ``resize_`` is counted when its
+    owner reports it (:func:`note_storage_resize`; ZeRO-3's gathered units do). Used to measure what
+    building a model costs a rank at start (:mod:`lslm.models.deferred_init`).
     """
     live = LiveBytes()
-    with _LiveTracker(live):
-        yield live
+    tracker = _LiveTracker(live)
+    _TRACKERS.append(tracker)
+    try:
+        with tracker:
+            yield live
+    finally:
+        _TRACKERS.remove(tracker)

@@ -6,6 +6,9 @@
   parameters (3) partitioned; gradients reduce-scattered (from stage 2: during backward), parameters all-gathered
   in place on bucket views (stage 3: unit by unit, just in time, one unit prefetched), optimizer states offloaded to
   the host or streamed from disk (:mod:`.disk`);
+* :mod:`.gather` - stage 3's gathers, frees (the unit's storage resized to zero, so the views autograd saved
+  hold nothing) and prefetch, :class:`~lslm.zero.gather.UnitGather`;
+* :mod:`.offload` - host buffers and the device-to-host copies of ZeRO-Offload, waited for before the host step;
 * :mod:`.checkpoint` - sharded checkpoints: atomic per-rank shards, a manifest, any dp size on load, consolidation
   and export to torch.distributed.checkpoint;
 * :mod:`.activations` - ZeRO-R's partitioned activation checkpoints under tensor parallelism.

@@ -14,11 +14,12 @@ mid-save leaves a folder without one, and the previous checkpoint (another folde
 another model is refused, naming the first difference), then each rank reads only the files
 whose ranges overlap its own pieces (``torch.load(weights_only=True)``), after checking their
 size and hash (a truncated or corrupted file is refused, naming it), and copies the overlaps
-into its masters and optimizer state. So a checkpoint written at ``N`` ranks loads at any
-``M`` (2 -> 3, 4 -> 2): resharding is a matter of element ranges, because a slice is a range
-of the flattened parameters. :func:`consolidate` rebuilds full fp32 parameters in one process
-(the "zero_to_fp32" question) and :func:`export_dcp` writes it in PyTorch's distributed-checkpoint
-format, which FSDP2 loads at any world size.
+into its masters and optimizer state. Because each rank reads only some files, the ranks agree
+before anything is published: a file refused on one rank is refused on every rank, none loads.
+So a checkpoint written at ``N`` ranks loads at any ``M`` (2 -> 3, 4 -> 2): resharding is a matter
+of element ranges, because a slice is a range of the flattened parameters. :func:`consolidate`
+rebuilds full fp32 parameters in one process (the "zero_to_fp32" question) and :func:`export_dcp`
+writes it in PyTorch's distributed-checkpoint format, which FSDP2 loads at any world size.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ import torch
 from lslm.runtime.files import atomic_write_bytes
 from lslm.zero.optimizer import ZeroOptimizer
 
-__all__ = ["FORMAT", "MANIFEST", "consolidate", "export_dcp", "latest_checkpoint", "load_zero", "read_manifest",
-           "save_zero", "shard_name"]
+__all__ = ["FORMAT", "MANIFEST", "consolidate", "export_dcp", "latest_checkpoint", "load_zero", "needed_shards",
+           "read_manifest", "save_zero", "shard_name"]
 
 FORMAT = "lslm-zero/1"
 MANIFEST = "manifest.json"
@@ -168,30 +169,39 @@ def _check_model(zero: ZeroOptimizer, manifest: Mapping[str, Any], path: Path) -
                          f"first difference {diff[0] if diff else '(order)'}")
 
 
-@torch.no_grad()
-def load_zero(zero: ZeroOptimizer, folder: str | Path) -> dict[str, Any]:
-    """Load the checkpoint in ``folder`` into ``zero`` (any dp size, any stage); return its manifest.
+def needed_shards(zero: ZeroOptimizer, manifest: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The manifest's shard records holding an element of one of this rank's pieces: only those are read.
 
-    Each rank reads only the shards overlapping its pieces. The masters, the optimizer state of
-    each piece and the scaler are restored (hyper-parameters such as ``lr`` stay as the optimizer
-    was built: a schedule sets them from the step); the model's parameters follow from the masters
-    (cast and, below stage 3, all-gathered: collective). Raises ``ValueError`` for an
-    incomplete checkpoint, another model, a missing, truncated or corrupted shard.
+    Two element ranges ``[s, b)`` and ``[a, z)`` of one parameter overlap when ``s < z`` and ``a < b``.
     """
-    folder = Path(folder)
+    names = _names(zero)
+    mine = [(names[pc.param], pc.start, pc.stop) for pc in zero.layout.pieces]
+    return [rec for rec in manifest["shards"]
+            if any(n == p and s < z and a < b for n, s, b in mine for p, a, z in rec["ranges"])]
+
+
+def _agreement_group(zero: ZeroOptimizer) -> Any:
+    """Every rank that loads this checkpoint together: the dp group (replicas included), and with tensor or pipeline
+    parallelism every rank of the job (dp x tp x pp; context parallelism is refused by ZeroOptimizer)."""
+    ctx = zero.ctx
+    return ctx.group("dp", "tp", "pp") if ctx.tp_size * ctx.pp_size > 1 else ctx.group("dp")
+
+
+def _read_pieces(zero: ZeroOptimizer, folder: Path) -> tuple[dict[str, Any], list[torch.Tensor],
+                                                              list[dict[str, Any]], Any]:
+    """Everything this rank needs from the checkpoint, read and checked, nothing of ``zero`` changed yet:
+    the manifest, the masters and optimizer state of each piece, the scaler's state."""
     manifest = read_manifest(folder)
     _check_model(zero, manifest, folder / MANIFEST)
     names = _names(zero)
     mine = [(names[pc.param], pc.start, pc.stop) for pc in zero.layout.pieces]
-    needed = [rec for rec in manifest["shards"]
-              if any(n == p and a < z2 and s < b for n, s, b in mine for p, a, z2 in rec["ranges"])]
-    values = _piece_values(zero)
+    values = _piece_values(zero)  # clones: filled here, published only once every rank has read its part
     masters = [v[0] for v in values]
     states = [v[1] for v in values]
     filled = [0] * len(mine)
     shard_scalars: dict[str, Any] = {}
     scaler_state = None
-    for rec in needed:
+    for rec in needed_shards(zero, manifest):
         shard = _read_shard(folder, rec)
         scaler_state = shard["scaler"]
         for piece in shard["pieces"]:
@@ -216,6 +226,37 @@ def load_zero(zero: ZeroOptimizer, folder: str | Path) -> dict[str, Any]:
     for state in states:
         for key, value in shard_scalars.items():
             state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return manifest, masters, states, scaler_state
+
+
+@torch.no_grad()
+def load_zero(zero: ZeroOptimizer, folder: str | Path) -> dict[str, Any]:
+    """Load the checkpoint in ``folder`` into ``zero`` (any dp size, any stage); return its manifest.
+
+    Collective: every rank of the dp group (with tp or pp, of the job) calls it. Each rank reads
+    only the shards overlapping its pieces (:func:`needed_shards`). The masters, the optimizer state
+    of each piece and the scaler are restored (hyper-parameters such as ``lr`` stay as the optimizer
+    was built: a schedule sets them from the step); the model's parameters follow from the masters
+    (cast and, below stage 3, all-gathered). Raises ``ValueError`` for an incomplete checkpoint,
+    another model, a missing, truncated or corrupted shard, **on every rank alike**: a rank reads
+    only some files, so before anything is published the ranks agree (one all-reduce of a flag), and
+    if any rank failed every rank raises, naming each failing rank's reason and file. Nothing of
+    ``zero`` has changed then, so a caller may fall back to another checkpoint on every rank.
+    """
+    folder = Path(folder)
+    error: Exception | None = None
+    try:
+        manifest, masters, states, scaler_state = _read_pieces(zero, folder)
+    except Exception as e:  # any failure must reach the agreement below: a rank that raised here would leave the
+        error = e           # others waiting in the all-reduce until the collective timeout
+    group = _agreement_group(zero)
+    ok = torch.full((1,), 0.0 if error is not None else 1.0, device=zero.device)
+    zero.ctx.comm.all_reduce(ok, op=torch.distributed.ReduceOp.MIN, group=group, label="zero checkpoint")
+    if not bool(ok.item()):
+        mine = None if error is None else f"rank {zero.ctx.rank}: {type(error).__name__}: {error}"
+        reasons = [r for r in zero.ctx.comm.all_gather_object(mine, group=group, label="zero checkpoint") if r]
+        raise ValueError(f"the checkpoint in {folder} was refused on every rank, nothing loaded; "
+                         + "; ".join(reasons)) from error
     if zero.disk is not None:  # the states go back to their files; the weights go up from the loaded masters
         zero.disk.write_all(list(zip(masters, states)))
         for view, master in zip(zero._owned, masters):

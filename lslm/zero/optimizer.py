@@ -33,7 +33,9 @@ buckets), so both collectives run on bucket views with no copy in or out.
 outside every unit, the embeddings and the head, form the root). Between steps each
 parameter is an empty tensor and a rank holds only its slices. A unit's bucket is
 all-gathered just before its forward (the next unit's gather is started at the same time:
-one unit of look-ahead) and freed after it; the gradient of the unit's output triggers its
+one unit of look-ahead) and freed after it, for real: the views of it that autograd saved for backward
+would keep the whole storage alive, so the storage itself shrinks to zero bytes and grows back for the
+backward's re-gather (:mod:`lslm.zero.gather` says why and how); the gradient of the unit's output triggers its
 gather again before its backward (and starts the previous unit's); once the unit's
 gradients are in a staging buffer it is freed and reduce-scattered as at stage 2. The root
 stays gathered for the whole step. Per step each block moves twice in all-gathers and once in
@@ -71,13 +73,14 @@ from lslm.runtime.context import ParallelContext
 from lslm.tensor_parallel.clip import counts_in_norm
 from lslm.tensor_parallel.grads import sum_over_tp
 from lslm.zero.disk import DiskStates, check_writable, elementwise_state_keys
+from lslm.zero.gather import GATHER_LABEL, UnitGather
 from lslm.zero.layout import ShardLayout, shard_layout, unit_layout
+from lslm.zero.offload import HostCopies, on_host
 
 __all__ = ["GATHER_LABEL", "NORM_LABEL", "OFFLOADS", "REDUCE_SCATTER_LABEL", "REPLICATE_LABEL", "STAGES",
            "ZeroOptimizer"]
 
 REDUCE_SCATTER_LABEL = "zero grads reduce-scatter"
-GATHER_LABEL = "zero params all-gather"
 NORM_LABEL = "zero grad norm"
 #: HSDP: the all-reduce of each rank's gradient slices across the dp_replicate group.
 REPLICATE_LABEL = "zero grads replicate all-reduce"
@@ -198,12 +201,11 @@ class ZeroOptimizer:
             raise ValueError(f"max_inflight must be an int >= 1 (buckets reduced at once), got {max_inflight!r}")
         self.model, self.ctx, self.stage, self.dtype, self.scaler = model, ctx, stage, dtype, scaler
         self.max_inflight = max_inflight
-        #: Stage 3: the most buckets whose full parameters existed at once (gathered or on their way); 0 below.
-        self.max_buckets_gathered = 0
-        #: The most bytes that full (gathered or on their way) parameter buckets held at once (stage 3), and that
-        #: reduce-scatter staging buffers held at once (stages 2-3): the transient buffers beside the model states.
-        #: Running maxima; set them to 0 to measure from a given point.
-        self.peak_gathered_bytes = 0
+        #: Stage 3's gathers and frees (:mod:`lslm.zero.gather`); ``None`` below stage 3.
+        self.gather: UnitGather | None = None
+        #: The most bytes that reduce-scatter staging buffers held at once (stages 2-3): with
+        #: :attr:`peak_gathered_bytes`, the transient buffers beside the model states. A running maximum; set it to 0
+        #: to measure from a given point.
         self.peak_staging_bytes = 0
         if scaler is not None and scaler.comm is None:
             # Each rank checks only its slice: the overflow vote must span the group.
@@ -299,12 +301,16 @@ class ZeroOptimizer:
                 self._replace_meta_params(model)
             for p in self.params:
                 p.data = self._empty
+            self.gather = UnitGather(self.params, self.offsets, self.shapes, self.buckets, self.param_shard,
+                                     self._shard_base, [hi - lo for lo, hi in self.layout.shards], ctx, self.group,
+                                     self._empty)
         if not half and not offload:  # the fp32 parameters' own slice is what the optimizer updates: no copy at all
             masters = owned
         # ZeRO-Offload: the gradient slices come down into these host buffers for the step on the host.
         # (Disk offload brings them down chunk by chunk into its own buffers instead: no full-size copy.)
         self._host_grads = [self._on_host(torch.empty(pc.numel, dtype=torch.float32, device=self.host))
                             for pc in self.layout.pieces] if offload == "cpu" else []
+        self.host_copies = HostCopies(self.device)  # and the host steps only once they have landed
         self._clip_coef: torch.Tensor | None = None
         self._owned = owned
         self.masters = masters
@@ -344,18 +350,18 @@ class ZeroOptimizer:
             self._fresh = True  # the slices are zero: the first backward reduce-scatters straight into them
             self._callback_queued = False
             self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-        if stage == 3:
+        if self.gather is not None:
+            gather = self.gather
             self.reshard_after_forward = bool(reshard_after_forward)
-            self._gathered: dict[int, torch.Tensor] = {}  # bucket -> its full parameters, while gathered
-            self._gathering: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> (work, buffer) on its way
             self._root = len(self.buckets) - 1  # the parameters outside every unit: gathered for a whole step
             n = len(self.unit_modules)
             for b, module in enumerate(self.unit_modules):  # bucket b holds the (n-1-b)-th unit of the forward
                 following = b - 1 if b > 0 else None  # the next unit of the forward
                 preceding = b + 1 if b + 1 < n else None  # the unit before it: the next one backward
-                self._hooks.append(module.register_forward_pre_hook(self._pre_forward_hook(b, following)))
-                self._hooks.append(module.register_forward_hook(self._post_forward_hook(b, preceding)))
-            self._hooks.append(model.register_forward_pre_hook(lambda _m, _a: self._ensure(self._root)))
+                self._hooks.append(module.register_forward_pre_hook(gather.pre_forward_hook(b, following)))
+                self._hooks.append(module.register_forward_hook(
+                    gather.post_forward_hook(b, preceding, self.reshard_after_forward)))
+            self._hooks.append(model.register_forward_pre_hook(lambda _m, _a: gather.ensure(self._root)))
 
     def _replace_meta_params(self, model: nn.Module) -> None:
         """Put a real (empty) parameter wherever a meta one was held; the order of ``self.params`` is kept."""
@@ -373,16 +379,34 @@ class ZeroOptimizer:
         self._index = {id(p): i for i, p in enumerate(self.params)}
 
     def _on_host(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` where the offloaded states live: the host's memory, page-locked when the device is a GPU (so the
-        copies can run asynchronously); on a CPU-only machine host and device are the same memory."""
-        if not self.offload:
-            return t
-        t = t.to(self.host)
-        return t.pin_memory() if self.device.type == "cuda" else t
+        """``t`` where the offloaded states live (:func:`lslm.zero.offload.on_host`), or ``t`` without offload."""
+        return on_host(t, self.device) if self.offload else t
 
     def _in_shard(self, b: int, offset: int) -> int:
         """Where element ``offset`` of the flat layout (inside this rank's slice of bucket ``b``) sits in the shard."""
         return self._shard_base[b] + offset - self.layout.shards[b][0]
+
+    # -- stage 3's counters (kept by lslm.zero.gather) ------------------------------------------------
+    @property
+    def max_buckets_gathered(self) -> int:
+        """Stage 3: the most buckets whose full parameters existed at once (gathered or on their way); 0 below."""
+        return self.gather.max_buckets_gathered if self.gather is not None else 0
+
+    @max_buckets_gathered.setter
+    def max_buckets_gathered(self, value: int) -> None:
+        if self.gather is not None:
+            self.gather.max_buckets_gathered = value
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """Stage 3: the most bytes full (gathered or on their way) parameter buckets held at once; a running
+        maximum (set it to 0 to measure from a given point); 0 below stage 3."""
+        return self.gather.peak_gathered_bytes if self.gather is not None else 0
+
+    @peak_gathered_bytes.setter
+    def peak_gathered_bytes(self, value: int) -> None:
+        if self.gather is not None:
+            self.gather.peak_gathered_bytes = value
 
     # -- the optimizer-facing attributes ----------------------------------------------------------
     @property
@@ -409,8 +433,8 @@ class ZeroOptimizer:
             owned["gradients" if self.grad_dtype == self.dtype else "main_grads"] = [self.shard_grad]
         if self._host_grads:  # offload: the fp32 copy of this rank's gradient slice the host steps with
             owned.setdefault("main_grads", []).extend(self._host_grads)
-        if self.stage == 3:  # the parameters' persistent storage is this slice; gathered units are transient
-            owned["parameters"] = [self.param_shard, *self._gathered.values()]
+        if self.gather is not None:  # the parameters' persistent storage is this slice; gathered units are transient
+            owned["parameters"] = [self.param_shard, *self.gather.gathered.values()]
         if self.disk is not None:  # the chunk buffers the states stream through: all they ever occupy in memory
             owned["optimizer_states"] = list(self.disk.slots)
         return owned
@@ -459,8 +483,8 @@ class ZeroOptimizer:
             if p.grad is not None:  # an unused parameter contributes zeros
                 staging[self.offsets[i] - start:self.offsets[i] - start + p.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
-        if self.stage == 3 and b != self._root:
-            self._release(b)  # its gradients are in the staging buffer: the unit's backward is over
+        if self.gather is not None and b != self._root:
+            self.gather.release(b)  # its gradients are in the staging buffer: the unit's backward is over
         target = self._slices[b]
         out = target if self._fresh else torch.empty_like(target)
         work = self.ctx.comm.reduce_scatter_tensor(out, staging, group=self.group, async_op=True,
@@ -487,67 +511,13 @@ class ZeroOptimizer:
     def _finish_backward(self) -> None:
         while self._inflight:
             self._settle(self._inflight.pop(0))
-        if self.stage == 3 and self._next:
-            for b in list(self._gathered):  # the root, and any unit a backward never reached
-                self._release(b)
+        if self.gather is not None and self._next:
+            self.gather.release_all()  # the root, and any unit a backward never reached
         if self._next:  # a backward happened: its sums are in the slices
             self._fresh = False
         self._ready = [0] * len(self.buckets)
         self._next = 0
         self._callback_queued = False
-
-    # -- stage 3: gather a unit's parameters just before they are used, free them right after -----------------
-    def _pre_forward_hook(self, b: int, following: int | None) -> Callable[..., None]:
-        def hook(_module: nn.Module, _args: Any) -> None:
-            self._ensure(b)
-            if following is not None:
-                self._prefetch(following)  # one unit of look-ahead: its gather overlaps this unit's forward
-        return hook
-
-    def _post_forward_hook(self, b: int, preceding: int | None) -> Callable[..., None]:
-        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
-                def pre_backward(grad: torch.Tensor) -> None:
-                    # The gradient of this unit's output exists: its backward is next, the unit before it after.
-                    self._ensure(b)
-                    if preceding is not None:
-                        self._prefetch(preceding)
-                output.register_hook(pre_backward)
-            if self.reshard_after_forward:
-                self._release(b)
-        return hook
-
-    def _prefetch(self, b: int) -> None:
-        if b in self._gathered or b in self._gathering:
-            return
-        a, z, _, _ = self.buckets[b]
-        lo, hi = self.layout.shards[b]
-        full = torch.empty(z - a, dtype=self.dtype, device=self.param_shard.device)
-        shard = self.param_shard[self._shard_base[b]:self._shard_base[b] + hi - lo]
-        work = self.ctx.comm.all_gather_into_tensor(full, shard, group=self.group, async_op=True, label=GATHER_LABEL)
-        self._gathering[b] = (work, full)
-        self.max_buckets_gathered = max(self.max_buckets_gathered, len(self._gathered) + len(self._gathering))
-        whole = sum(t.nbytes for t in self._gathered.values()) + sum(t.nbytes for _, t in self._gathering.values())
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, whole)
-
-    def _ensure(self, b: int) -> None:
-        """Bucket ``b``'s parameters hold their full values (gathered now, or a prefetch waited for)."""
-        if b in self._gathered:
-            return
-        self._prefetch(b)
-        work, full = self._gathering.pop(b)
-        work.wait()
-        a = self.buckets[b][0]
-        for i in self.buckets[b][2]:
-            self.params[i].data = full[self.offsets[i] - a:][:self.shapes[i].numel()].view(self.shapes[i])
-        self._gathered[b] = full
-
-    def _release(self, b: int) -> None:
-        """Free bucket ``b``'s full parameters (each parameter an empty tensor again)."""
-        if self._gathered.pop(b, None) is None:
-            return
-        for i in self.buckets[b][2]:
-            self.params[i].data = self._empty
 
     # -- the step -------------------------------------------------------------------------------------
     def _reduce_scatter(self) -> list[torch.Tensor]:
@@ -589,10 +559,11 @@ class ZeroOptimizer:
             self._grad_list = []
             return
         if self.offload:  # gradients down: this rank's slice only, fp32, into the host buffers
-            nonblocking = self.device.type == "cuda"
             for m, g, host in zip(self.masters, self._piece_grads, self._host_grads):
-                host.copy_(g, non_blocking=nonblocking)
+                self.host_copies.copy(host, g)  # asynchronous from a GPU: the host waits below, once
                 m.grad = host
+            self.host_copies.issued()
+            self.host_copies.wait()  # every slice has landed before the clip or the host step reads it
             self.offload_bytes["to_host"] = sum(h.numel() * 4 for h in self._host_grads)
             self._grad_list = list(self._host_grads)
             return
@@ -677,9 +648,8 @@ class ZeroOptimizer:
                 view.copy_(m)  # rounds to the model's dtype (and, offloaded, goes up from the host)
             if self.offload:
                 self.offload_bytes["to_device"] = sum(v.numel() * v.element_size() for v in self._owned)
-        if self.stage == 3:  # the next forward gathers each unit when it needs it
-            for b in list(self._gathered):
-                self._release(b)
+        if self.gather is not None:  # the next forward gathers each unit when it needs it
+            self.gather.release_all()
             return
         works = [comm.all_gather_into_tensor(self.param_data[a:z], self.param_data[lo:hi], group=self.group,
                                              async_op=True, label=GATHER_LABEL)
@@ -693,14 +663,15 @@ class ZeroOptimizer:
         is gathered in turn, on every rank); stages 1-2 read the replicated parameters."""
         names = {id(p): n for n, p in self.model.named_parameters()}
         out = {}
+        gather = self.gather
         for b in range(len(self.buckets)):
-            gathered_here = self.stage == 3 and b not in self._gathered
-            if self.stage == 3:
-                self._ensure(b)
+            gathered_here = gather is not None and b not in gather.gathered
+            if gather is not None:
+                gather.ensure(b)
             for i in self.buckets[b][2]:
                 out[names[id(self.params[i])]] = self.params[i].detach().clone()
-            if gathered_here:
-                self._release(b)
+            if gather is not None and gathered_here:
+                gather.release(b)
         return out
 
     # -- checkpoints (this rank's shard) -------------------------------------------------------------------
