@@ -195,6 +195,50 @@ def test_bad_inputs_are_refused_with_clear_errors() -> None:
         assert sum(p.numel() for p in sharded.parameters()) == sum(numel.values()) - expert_numel * 3 // 4
 
 
+_MOE_ARGS = dict(n_embd=8, hidden=16, num_experts=4, top_k=2)
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    # Before: capacity_factor=inf built, then an OverflowError at the first forward (ceil(inf)); top_k=2.5 a
+    # TypeError from inside torch.topk; NaN compares false both ways and slipped past range checks.
+    ("capacity_factor", math.inf), ("capacity_factor", math.nan), ("capacity_factor", -1.0),
+    ("capacity_factor", True), ("capacity_factor", "1.25"),
+    ("top_k", 2.5), ("top_k", 0), ("top_k", 5), ("top_k", True), ("top_k", 2.0),
+    ("num_experts", 4.0), ("num_experts", 0), ("num_experts", True),
+    ("n_embd", 0), ("n_embd", 8.5), ("hidden", 0), ("hidden", -16), ("hidden", 16.0),
+    ("renormalize", 1), ("renormalize", "yes"), ("bias", 0), ("bias", None),
+    ("dropout", math.nan), ("dropout", -0.1), ("dropout", 1.5), ("dropout", True),
+])
+def test_bad_moe_arguments_are_refused_at_construction_naming_them(name: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"^{name}"):
+        MoE(**{**_MOE_ARGS, name: value})
+
+
+@pytest.mark.parametrize(("name", "value"), [("capacity_factor", math.inf), ("top_k", 2.5), ("num_experts", 4.5),
+                                             ("hidden", 0), ("renormalize", 1)])
+def test_apply_moe_refuses_bad_arguments_before_touching_the_model(name: str, value: object) -> None:
+    model = GPT(GPTConfig.tiny())
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match=f"^{name}"):
+        apply_moe(model, **{"num_experts": 4, "top_k": 2, name: value})
+    assert {n: type(m) for n, m in model.named_modules()} == before
+
+
+def test_router_and_capacity_refuse_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="^top_k"):
+        TopKRouter(8, 4, 2.5)
+    with pytest.raises(ValueError, match="^n_embd"):
+        TopKRouter(0, 4, 2)
+    with pytest.raises(ValueError, match="^capacity_factor"):
+        expert_capacity(32, 4, 2, math.inf)
+    with pytest.raises(ValueError, match="^ep"):
+        check_moe(4, 2, 1.0, ep=0)
+    # What is allowed stays allowed: None is dropless, an integral capacity factor is a number like any other.
+    assert expert_capacity(32, 4, 2, None) is None and expert_capacity(32, 4, 2, 2) == 32
+    moe = MoE(**{**_MOE_ARGS, "capacity_factor": None, "dropout": 1.0})
+    assert moe(_x(3, 8)).shape == (3, 8)
+
+
 # -- across ranks --------------------------------------------------------------------------------
 @functools.cache
 def _suite(nproc: int, backend: str) -> tuple[dict, ...]:

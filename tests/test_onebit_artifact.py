@@ -25,10 +25,18 @@ def test_the_committed_run_matches_its_command_and_the_formulas() -> None:
     fp32 = 2 * (n - 1) * 4 * numel // n  # a ring all-reduce of the fp32 gradients, per rank
     sent = data["bus_bytes"]
     assert sent["adam"] == [fp32] * steps
+    dim = data["model"]["n_embd"]
     for name in ("1-bit adam", "1-bit adam, no error feedback"):
-        assert sent[name] == [fp32] * warmup + [compressed_all_reduce_bus_bytes(numel, n)] * (steps - warmup)
+        # Compressed: every element whose sqrt(v_hat) is above eps at the freeze, i.e. all but the embedding rows of
+        # the token ids no rank fed during the warm-up and the attention's key biases; no compressed step moves those.
+        compressed = data["compressed_numel"][name]
+        frozen_rows = data["unseen_rows"] + data["model"]["n_layer"]  # a key bias has n_embd elements, like a row
+        assert data["frozen_numel"][name] == numel - compressed == frozen_rows * dim
+        assert data["unseen_rows_moved"][name] == 0.0
+        assert sent[name] == [fp32] * warmup + [compressed_all_reduce_bus_bytes(compressed, n)] * (steps - warmup)
         # Adam's arithmetic through the warm-up: the losses are Adam's until the first compressed step lands
         assert data["losses"][name][:warmup + 1] == data["losses"]["adam"][:warmup + 1]
+    assert data["compressed_formula"] == compressed_all_reduce_bus_bytes(data["compressed_numel"]["1-bit adam"], n)
     tail = {name: sum(curve[-10:]) / 10 for name, curve in data["losses"].items()}
     assert tail["1-bit adam"] < tail["1-bit adam, no error feedback"]  # what notebook 10 says error feedback buys
 

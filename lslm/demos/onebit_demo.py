@@ -9,8 +9,8 @@ The notebook reads a longer run from a committed artifact, written by this modul
     python -m lslm.demos.onebit_demo --nproc 2 --steps 100 --warmup-steps 20 --out bench/results
 
 which prints a table and writes ``onebit_adam.txt`` (what it printed, the command first), ``.json`` (every
-loss and every step's bytes) and ``.png`` (the loss curves). Losses and bytes are deterministic on gloo;
-no time is measured.
+loss and every step's bytes, the elements compressed and left frozen, how far the embedding rows of tokens unseen in the
+warm-up moved) and ``.png`` (the loss curves). Losses and bytes are deterministic on gloo; no time is measured.
 """
 
 from __future__ import annotations
@@ -72,9 +72,11 @@ def main(argv: list[str] | None = None) -> None:
     results = launch("lslm.demos.onebit_demo:curves_worker", nproc=args.nproc, output="none", steps=args.steps,
                      warmup_steps=args.warmup_steps)
     r0 = results[0]
+    keys = ("world", "numel", "losses", "bus_bytes", "compressed_numel", "frozen_numel", "unseen_rows",
+            "unseen_rows_moved")
+    compressed = r0["compressed_numel"]["1-bit adam"]
     data = {"command": command, "steps": args.steps, "warmup_steps": args.warmup_steps, "model": RUN_CONFIG,
-            **{k: r0[k] for k in ("world", "numel", "losses", "bus_bytes")},
-            "compressed_formula": compressed_all_reduce_bus_bytes(r0["numel"], r0["world"])}
+            **{k: r0[k] for k in keys}, "compressed_formula": compressed_all_reduce_bus_bytes(compressed, r0["world"])}
     with Report(ARTIFACT, args.out) as rep:
         rep.print(f"command: {command}")
         rep.print(f"GPT {RUN_CONFIG}, {r0['numel']:,} parameters, {r0['world']} ranks (gloo), {args.steps} steps, "
@@ -89,8 +91,12 @@ def main(argv: list[str] | None = None) -> None:
         last = r0["bus_bytes"]["1-bit adam"][-1]
         rep.print(f"compression phase: {r0['bus_bytes']['adam'][-1]:,.0f} / {last:,.0f} = "
                   f"{r0['bus_bytes']['adam'][-1] / last:.2f}x fewer bytes per step (formula "
-                  f"{data['compressed_formula']:,}); bytes are the ledger's bus bytes of rank 0, the loss's own "
-                  "all-reduce left out")
+                  f"{data['compressed_formula']:,} for the {compressed:,} compressed elements); bytes are the "
+                  "ledger's bus bytes of rank 0, the loss's own all-reduce left out")
+        rep.print(f"frozen sqrt(v_hat) <= eps (not compressed, not updated after the warm-up): "
+                  f"{r0['frozen_numel']['1-bit adam']:,} of {r0['numel']:,} elements; {r0['unseen_rows']} of "
+                  f"{RUN_CONFIG['vocab_size']} token ids no rank fed in the warm-up, their embedding rows moved by "
+                  "at most " + ", ".join(f"{v:.3g} ({k})" for k, v in r0["unseen_rows_moved"].items()))
         rep.write(data, plot_curves)
 
 

@@ -15,19 +15,32 @@ batch shard is the routing group), before dispatch: the decision needs no commun
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Assignments", "assign", "expert_capacity"]
+__all__ = ["Assignments", "assign", "check_capacity_factor", "expert_capacity"]
+
+
+def check_capacity_factor(capacity_factor: float | None) -> None:
+    """ValueError unless ``capacity_factor`` is None (dropless) or a finite number > 0.
+
+    Infinity is refused rather than read as dropless: the capacity ``ceil(inf)`` has no integer value (an
+    OverflowError at the first forward), and None already says "no limit".
+    """
+    if capacity_factor is None:
+        return
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real) or \
+            not math.isfinite(capacity_factor) or not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0 and finite (or None for dropless), got {capacity_factor!r}")
 
 
 def expert_capacity(tokens: int, num_experts: int, top_k: int, capacity_factor: float | None) -> int | None:
     """``ceil(capacity_factor · tokens · top_k / num_experts)``, or None (dropless) when ``capacity_factor`` is None."""
+    check_capacity_factor(capacity_factor)
     if capacity_factor is None:
         return None
-    if not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0 (or None for dropless), got {capacity_factor}")
     return math.ceil(capacity_factor * tokens * top_k / num_experts)
 
 

@@ -14,27 +14,33 @@ model stays plain; experts start from nn.Linear's default init under torch's RNG
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from lslm.expert_parallel.dispatch import Assignments, assign, expert_capacity
-from lslm.expert_parallel.router import TopKRouter, load_balancing_loss, router_z_loss
+from lslm.expert_parallel.dispatch import Assignments, assign, check_capacity_factor, expert_capacity
+from lslm.expert_parallel.router import (
+    TopKRouter,
+    check_positive_int,
+    check_routing,
+    load_balancing_loss,
+    router_z_loss,
+)
 from lslm.models.gpt import Block
 
 __all__ = ["Expert", "MoE", "apply_moe", "check_moe", "moe_aux_loss", "moe_layers", "route_tokens"]
 
 
 def check_moe(num_experts: int, top_k: int, capacity_factor: float | None, ep: int = 1) -> None:
-    """Refuse a configuration no MoE layer can run (ValueError with the fix), before anything is built."""
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be at least 1, got {num_experts}")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k = {top_k} must be between 1 and num_experts = {num_experts}")
-    if capacity_factor is not None and not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0 (or None for dropless), got {capacity_factor}")
-    if ep < 1 or num_experts % ep:
+    """Refuse a configuration no MoE layer can run (ValueError naming the argument, with the fix), before anything
+    is built: ints where counts are meant, ``1 <= top_k <= num_experts``, a finite ``capacity_factor`` > 0 or None,
+    experts that divide over ``ep``."""
+    check_routing(num_experts, top_k)
+    check_capacity_factor(capacity_factor)
+    check_positive_int("ep", ep)
+    if num_experts % ep:
         raise ValueError(f"num_experts = {num_experts} is not divisible by ep = {ep}: every expert-parallel rank "
                          f"owns the same number of experts; choose num_experts as a multiple of {ep}")
 
@@ -77,6 +83,14 @@ class MoE(nn.Module):
                  dropout: float = 0.0, device: torch.device | None = None) -> None:
         super().__init__()
         check_moe(num_experts, top_k, capacity_factor)
+        check_positive_int("n_embd", n_embd)
+        check_positive_int("hidden", hidden)
+        check_routing(num_experts, top_k, renormalize)
+        if not isinstance(bias, bool):
+            raise ValueError(f"bias must be a bool, got {bias!r}")
+        # nn.Dropout's own range check lets NaN through (NaN compares false both ways).
+        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= dropout <= 1.0:
+            raise ValueError(f"dropout must be a probability in [0, 1], got {dropout!r}")
         renormalize = top_k > 1 if renormalize is None else renormalize  # Switch for top-1, Mixtral otherwise
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.router = TopKRouter(n_embd, num_experts, top_k, renormalize, device)
@@ -125,6 +139,9 @@ def apply_moe(model: nn.Module, num_experts: int, top_k: int = 2, capacity_facto
     dropout module (applied to the combined output) and its device.
     """
     check_moe(num_experts, top_k, capacity_factor)
+    check_routing(num_experts, top_k, renormalize)
+    if hidden is not None:
+        check_positive_int("hidden", hidden)
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     if not blocks:
         raise ValueError(f"apply_moe found no lslm GPT Block in {type(model).__name__}")

@@ -22,12 +22,32 @@ Auxiliary losses (both computed on the tokens this call routes, before any capac
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-__all__ = ["Routing", "TopKRouter", "load_balancing_loss", "router_z_loss"]
+__all__ = ["Routing", "TopKRouter", "check_positive_int", "check_routing", "load_balancing_loss", "router_z_loss"]
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    """ValueError naming ``name`` unless ``value`` is an int >= 1 (a bool is refused: Python counts it as an int)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def check_routing(num_experts: int, top_k: int, renormalize: bool | None = None) -> None:
+    """ValueError unless ``num_experts`` and ``top_k`` are ints with ``1 <= top_k <= num_experts`` and
+    ``renormalize`` is a bool or None (a fractional top_k would otherwise fail inside ``torch.topk``)."""
+    check_positive_int("num_experts", num_experts)
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+        raise ValueError(f"top_k must be an int (experts per token), got {top_k!r}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k = {top_k} must be between 1 and num_experts = {num_experts}")
+    if renormalize is not None and not isinstance(renormalize, bool):
+        raise ValueError(f"renormalize must be a bool (or None for the default), got {renormalize!r}")
 
 
 @dataclass
@@ -65,10 +85,8 @@ class TopKRouter(nn.Module):
     def __init__(self, n_embd: int, num_experts: int, top_k: int, renormalize: bool = True,
                  device: torch.device | None = None) -> None:
         super().__init__()
-        if num_experts < 1:
-            raise ValueError(f"num_experts must be at least 1, got {num_experts}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be between 1 and num_experts = {num_experts}, got top_k = {top_k}")
+        check_positive_int("n_embd", n_embd)
+        check_routing(num_experts, top_k, renormalize)
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.gate = nn.Linear(n_embd, num_experts, bias=False, device=device)
 
