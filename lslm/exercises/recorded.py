@@ -71,6 +71,13 @@ _SPECS: dict[str, tuple[str, _Size]] = {
 _P2P = ("send", "isend", "recv", "irecv")
 
 
+def _peer(args: tuple[Any, ...], kwargs: dict[str, Any], key: str) -> Any:
+    """The peer of a send (``key="dst"``) or receive (``"src"``) call, global rank or group rank."""
+    if len(args) > 1:
+        return args[1]
+    return kwargs.get(key, kwargs.get(f"group_{key}"))
+
+
 def _group(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The call's process group: the keyword, else a positional ProcessGroup, else None (the world)."""
     if kwargs.get("group") is not None:
@@ -106,7 +113,8 @@ def collectives_recorded(ledger: CommLedger) -> Iterator[CommLedger]:
                 nbytes = size(args, kwargs, world)
             except (IndexError, KeyError, TypeError, AttributeError):
                 nbytes = 0  # a malformed call: torch's own error below says what is wrong with it
-            ledger.record(CommRecord(op=op, nbytes=nbytes, group_size=world, dtype=_dtype(args, kwargs)))
+            peer = _peer(args, kwargs, "dst" if op == "send" else "src") if op in ("send", "recv") else None
+            ledger.record(CommRecord(op=op, nbytes=nbytes, group_size=world, dtype=_dtype(args, kwargs), peer=peer))
             return original(*args, **kwargs)
         recorded.__name__ = name
         return recorded

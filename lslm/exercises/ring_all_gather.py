@@ -37,7 +37,9 @@ from lslm.exercises.core import (
     report,
     run_check,
 )
+from lslm.exercises.recorded import collectives_recorded
 from lslm.exercises.registry import Exercise, register
+from lslm.runtime.records import CommLedger
 
 CASES = ((1, torch.float32), (5, torch.float32), (1000, torch.float32), (7, torch.int64))
 FILL = -999  # what output holds before the call: a block still equal to it was never written
@@ -72,56 +74,6 @@ def _collectives_disabled() -> Iterator[None]:
     try:
         for name in saved:
             setattr(dist, name, _refuse(name))
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
-_P2P = ("send", "isend", "recv", "irecv")
-
-
-def _peer(args: tuple[Any, ...], kwargs: dict[str, Any], key: str) -> Any:
-    """The peer of a send (``key="dst"``) or receive (``"src"``) call, global rank or group rank."""
-    if len(args) > 1:
-        return args[1]
-    return kwargs.get(key, kwargs.get(f"group_{key}"))
-
-
-@contextlib.contextmanager
-def _p2p_recorded(log: list[tuple[str, Any]]) -> Iterator[None]:
-    """Append ``("send" | "recv", peer)`` to ``log`` for every point-to-point call made in the block.
-
-    ``dist.send/isend/recv/irecv`` are wrapped; ``dist.P2POp`` builds torch's own op around the
-    original function (torch checks it by identity), and ``batch_isend_irecv`` records each op's peer.
-    """
-    saved = {name: getattr(dist, name) for name in (*_P2P, "P2POp", "batch_isend_irecv")}
-
-    def wrap(name: str) -> Callable[..., Any]:
-        kind, key = ("send", "dst") if "send" in name else ("recv", "src")
-
-        def recorded(*args: Any, **kwargs: Any) -> Any:
-            log.append((kind, _peer(args, kwargs, key)))
-            return saved[name](*args, **kwargs)
-        recorded.__name__ = name
-        return recorded
-
-    wrappers = {name: wrap(name) for name in _P2P}
-    unwrap = {w: saved[name] for name, w in wrappers.items()}
-
-    def p2p_op(op: Any, *args: Any, **kwargs: Any) -> Any:
-        return saved["P2POp"](unwrap.get(op, op), *args, **kwargs)
-
-    def batch(ops: list[Any]) -> Any:
-        for op in ops:
-            log.append(("send" if op.op is saved["isend"] else "recv", op.peer))
-        return saved["batch_isend_irecv"](ops)
-
-    try:
-        for name, fn in wrappers.items():
-            setattr(dist, name, fn)
-        dist.P2POp = p2p_op
-        dist.batch_isend_irecv = batch
         yield
     finally:
         for name, fn in saved.items():
@@ -172,14 +124,15 @@ def _check_one(fn: Callable[..., Any], ctx: Any) -> dict[str, Any] | None:
     for m, dtype in CASES:
         got = torch.full((n * m,), FILL, dtype=dtype, device=ctx.device)
         where = {"m": m, "dtype": str(dtype).removeprefix("torch.")}
-        log: list[tuple[str, Any]] = []
+        ledger = CommLedger()
         try:
-            with _collectives_disabled(), _p2p_recorded(log):
+            with _collectives_disabled(), collectives_recorded(ledger):
                 call_learner(fn, got, _input(r, m, dtype).to(ctx.device), r, n, label=f"M={m}, {where['dtype']}")
         except Exception as exc:  # noqa: BLE001 - the learner's error becomes the verdict
             kind = "collective" if "is off during this exercise" in str(exc) else "error"
             problems.append({**where, "kind": kind, "error": f"{type(exc).__name__}: {exc}"})
             break
+        log = [(rec.op, rec.peer) for rec in ledger.records if rec.op in ("send", "recv")]
         found = _diagnose(got.cpu(), r, n, m, dtype) or _off_ring(log, r, n)
         if found:
             problems.append({**where, **found})
