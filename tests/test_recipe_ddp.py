@@ -106,6 +106,7 @@ def test_two_process_ddp_reproduces_the_serial_run(variant: str, every_variant: 
         assert len(r["step_s"]) == len(r["compute_s"]) == len(r["comm_exposed_s"]) == STEPS
         _assert_durations_add_up(r)
         assert r["memory"]["model_state"]["params"] == 4 * r["num_parameters"]
+        assert r["throughput"]["devices"] == 2 and r["throughput"]["mfu"] > 0  # the harness's MFU, every recipe
         if variant != "torch":
             # The ledger: exactly the gradient bytes all-reduced in every step.
             assert r["comm_bytes"] == [r["grad_bytes"]] * STEPS == [4 * r["num_parameters"]] * STEPS

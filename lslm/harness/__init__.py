@@ -20,7 +20,15 @@ from lslm.harness.entry import (
     run_or_launch,
     run_rank,
 )
-from lslm.harness.recipe import REPORT_LABEL, Built, gather_summaries, summarize, train_loop, write_run_log
+from lslm.harness.recipe import (
+    REPORT_LABEL,
+    Built,
+    gather_summaries,
+    step_throughput,
+    summarize,
+    train_loop,
+    write_run_log,
+)
 from lslm.harness.report import Report
 from lslm.harness.timer import Marks, StepTimer, timer_mode
 
@@ -28,6 +36,6 @@ __all__ = [
     "REPORT_LABEL", "Built", "Marks", "Recipe", "Report", "StepTimer", "Timing", "Variant",
     "check_fields", "config_parser", "critical_path", "entry_points", "gather_ranks", "gather_summaries",
     "launch_recipe", "option", "parse_config", "recipe_main", "run_in_context", "run_many", "run_or_launch", "run_rank",
-    "run_variants",
+    "run_variants", "step_throughput",
     "summarize", "timer_mode", "train_loop", "write_run_log",
 ]

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from lslm.metrics.flops import DEVICE_PEAKS
 from lslm.metrics.step_time import LinkCost
 
 __all__ = ["OPTIMIZER_BYTES", "PRECISIONS", "Hardware", "Link", "hardware_presets"]
@@ -205,9 +206,12 @@ def hardware_presets() -> dict[str, Hardware]:
       23 GiB (``free -g`` when this was written), one share per process.
     ``reserved_bytes`` (2 GiB on the GPUs) is our assumption for the CUDA context and allocator slack.
     """
-    h100 = Hardware("H100 SXM 80GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, hbm_bytes=80 * GiB,
+    def peaks(gpu: str) -> dict[str, float]:  # lslm.metrics.flops' datasheet table, the precisions planned here
+        return {p: DEVICE_PEAKS[gpu][p] for p in PRECISIONS}
+
+    h100 = Hardware("H100 SXM 80GB", peaks("H100"), hbm_bytes=80 * GiB,
                     devices_per_node=8, intra=Link(5e-6, 450e9), inter=Link(10e-6, 50e9), reserved_bytes=2 * GiB)
-    a100 = Hardware("A100 SXM 80GB", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, hbm_bytes=80 * GiB,
+    a100 = Hardware("A100 SXM 80GB", peaks("A100"), hbm_bytes=80 * GiB,
                     devices_per_node=8, intra=Link(5e-6, 300e9), inter=Link(10e-6, 25e9), reserved_bytes=2 * GiB)
     sizes = (4096.0, 65536.0, 1048576.0, 16777216.0, 67108864.0)  # collectives.json: 4 KiB-64 MiB
 
