@@ -32,14 +32,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from lslm.harness.throughput import step_throughput
 from lslm.harness.timer import Marks, StepTimer
-from lslm.metrics.flops import StepFlops, Throughput, device_peak, throughput
+from lslm.metrics.flops import StepFlops
 from lslm.metrics.memory import memory_report
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.files import atomic_write_bytes
 from lslm.runtime.printing import progress, rank_print
 
-__all__ = ["REPORT_LABEL", "Built", "gather_summaries", "step_throughput", "summarize", "train_loop", "write_run_log"]
+__all__ = ["REPORT_LABEL", "Built", "gather_summaries", "summarize", "train_loop", "write_run_log"]
 
 #: Ledger label of the harness's own end-of-run collectives (never counted as a technique's traffic).
 REPORT_LABEL = "report"
@@ -68,7 +69,8 @@ class Built:
     * ``first_step``: where a resumed run starts (it has loaded a checkpoint of that step and
       positioned ``batches`` there); the loop runs steps ``first_step .. cfg.steps - 1``;
     * ``flops``: one step's flops over all ranks (:func:`lslm.metrics.flops.gpt_step_flops`); the loop then
-      reports tokens/s, achieved TFLOP/s, MFU and HFU against the device's peak (:func:`step_throughput`).
+      reports tokens/s, achieved TFLOP/s, MFU and HFU against the device's peak
+      (:func:`lslm.harness.throughput.step_throughput`).
     """
 
     model: nn.Module
@@ -98,8 +100,8 @@ def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None) -> di
     per step, the mean of the data-parallel ranks' losses: one all-reduce labelled
     :data:`REPORT_LABEL`), ``memory`` (:func:`lslm.metrics.memory.memory_report` on this
     rank), ``num_parameters``, ``threads``, ``config``, ``rank``, ``world_size``, ``dp_size``, ``device``,
-    ``backend`` and ``built.info``; with ``built.flops``, ``throughput`` (:func:`step_throughput` of this rank's
-    median step), which rank 0 also prints.
+    ``backend`` and ``built.info``; with ``built.flops``, ``throughput``
+    (:func:`~lslm.harness.throughput.step_throughput` of this rank's median step), which rank 0 also prints.
     """
     ctx = built.ctx if built.ctx is not None else ctx  # the technique's own grid, when it built one
     ledger = ctx.comm.ledger if ctx is not None else None
@@ -155,13 +157,6 @@ def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None) -> di
         **built.info,
     }
 
-
-def step_throughput(flops: StepFlops, step_s: float, device: Any, devices: int) -> Throughput:
-    """Tokens/s, achieved flop/s, MFU and HFU of a step of ``flops`` (all ``devices`` together) that took ``step_s``,
-    against the peak of ``device`` at ``flops.precision`` (:func:`lslm.metrics.flops.device_peak`: a GPU's
-    datasheet dense peak, a CPU's measured matmul rate). The one place recipes and benches get these figures."""
-    peak, source = device_peak(device, flops.precision)
-    return throughput(flops, step_s, devices, peak, source)
 
 
 def _global_losses(local: list[float], ctx: ParallelContext | None) -> list[float]:
