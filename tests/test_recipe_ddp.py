@@ -196,6 +196,7 @@ def test_bench_quick_structure_and_exact_bytes(tmp_path, capsys) -> None:
     assert lines[-2].startswith("buffered / torch DDP step time") and "2 processes" in lines[-2]
     assert (tmp_path / "ddp.txt").read_text() == printed  # the .txt is exactly what the bench printed
     assert "== 2 processes (gloo, 1 thread(s)/rank)" in printed
+    assert any(x.startswith("  bucketed ") and ": tokens/s " in x and ", MFU " in x for x in lines)  # the harness's
     data = json.loads((tmp_path / "ddp.json").read_text())
     res = data["2"]
     assert (tmp_path / "ddp.png").stat().st_size > 0
