@@ -35,6 +35,8 @@ def test_bench_pipeline_quick_writes_table_json_png_and_the_ratio_line(tmp_path:
     rows = {(r["pair"], r["m"]): r for r in res["rows"]}
     assert sorted(rows) == sorted([(n, 4) for n in NAMES] + [(n, 2) for n in NAMES if n != "DualPipeV"])
     assert list(res["skipped"]["2"]) == ["DualPipeV"] and res["skipped"]["4"] == {}
+    assert all(r["throughput"]["devices"] == 2 and r["throughput"]["mfu"] > 0 for r in rows.values())
+    assert any(x.startswith("  lslm 1F1B m=4: tokens/s ") and ", MFU " in x for x in lines)  # the harness's line
     mod, batch = res["model"], res["batch"]
     for (name, m), r in rows.items():
         # Same stages, same weights, same batches: lslm and torch compute the same loss (fp32 rounding at most).

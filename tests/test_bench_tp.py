@@ -25,6 +25,9 @@ def test_bench_tp_quick_writes_table_json_png_and_the_ratio_line(tmp_path: Path,
     assert sorted(rows) == [("dtensor", False), ("dtensor", True), ("lslm", False), ("lslm", True)]
     # Same weights, same batches: the two models' losses differ by rounding only (fp32, loss ~5.5).
     assert all(r["max_loss_diff_vs_other"] <= 1e-5 for r in rows.values())
+    # Every row's tokens/s, TFLOP/s and MFU (lslm.harness.throughput), printed under its table.
+    assert all(r["throughput"]["devices"] == 2 and r["throughput"]["mfu"] > 0 for r in rows.values())
+    assert any(line.startswith("  lslm SP on: tokens/s ") and ", MFU " in line for line in lines)
 
     # Collectives in one step (2 layers), as tests/test_tp_dtensor.py explains them one by one:
     # lslm  SP off: 4 per layer + embedding + head input grad + 2 for the loss;

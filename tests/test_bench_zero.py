@@ -24,6 +24,8 @@ def test_every_entry_trains_the_same_run_as_ddp(result: dict) -> None:
     assert result["skipped"] == ({} if ok else {e: why for e in zero.DEEPSPEED_ENTRIES})
     for r in result["rows"]:  # fp32 at 2 ranks: one order for every sum, the same AdamW arithmetic
         assert r["max_loss_diff_vs_ddp"] == 0.0, r["entry"]
+        assert r["throughput"]["devices"] == 2 and r["throughput"]["mfu"] > 0, r["entry"]
+    assert "\n  zero3: tokens/s " in result["text"]  # the harness's throughput line, one per entry
 
 
 def test_model_states_per_rank_follow_the_stages(result: dict) -> None:

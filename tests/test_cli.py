@@ -236,7 +236,7 @@ def test_plan_prints_the_traced_table_and_searches(capsys: pytest.CaptureFixture
     (["plan", "--model", "gpt2-small", "--sp"], "needs tp > 1"),
     (["plan", "--model", "gpt2-small", "--hardware", "cpu-box"], "no compute rate for bf16"),
     (["plan", "--model", "gpt2-small", "--zero", "4"], "argument --zero: invalid choice"),
-    (["plan", "--model", "gpt2-small", "--inter-gbps", "0"], "Link.bandwidth_Bps must be > 0"),
+    (["plan", "--model", "gpt2-small", "--inter-gbps", "0"], "--inter-gbps must be a finite number > 0"),
     (["plan", "--model", "gpt2-small", "--results", "bench/results"], "--results goes with --validate"),
     (["plan", "--validate", "--results", "no/such/folder"], "lacks tp.json, pipeline.json, zero.json"),
 ])

@@ -212,11 +212,20 @@ def test_train_loop_serial_record_and_summary(tmp_path, monkeypatch: pytest.Monk
     assert train_loop(cfg, _linear_technique(cfg))["losses"] == rec["losses"]
 
 
-def test_serial_baseline_runs_on_the_harness() -> None:
+def test_serial_baseline_runs_on_the_harness(capsys: pytest.CaptureFixture[str]) -> None:
+    from lslm.metrics.flops import gpt_step_flops
     from lslm.recipes.train import TrainConfig, train
 
-    rec = train(TrainConfig(steps=2, n_layer=1, batch_size=2, block_size=16))
+    cfg = TrainConfig(steps=2, n_layer=1, batch_size=2, block_size=16)
+    rec = train(cfg)
     assert rec["step_times_s"] == rec["step_s"] and len(rec["losses"]) == 2 and rec["tokens_per_step"] == 32
+    # The harness's throughput line: tokens/s, achieved TFLOP/s, MFU against the CPU's measured matmul rate.
+    line = next(x for x in capsys.readouterr().out.splitlines() if "throughput (train, median step)" in x)
+    for field in ("tokens/s ", " TFLOP/s achieved", ", MFU ", "fp32 matmul measured"):
+        assert field in line, line
+    tp = rec["throughput"]
+    assert tp["devices"] == 1 and tp["mfu"] == gpt_step_flops(cfg.model_config(), 2).model / (
+        tp["step_s"] * tp["peak_flops"])
 
 
 @pytest.fixture

@@ -106,6 +106,7 @@ def test_two_process_ddp_reproduces_the_serial_run(variant: str, every_variant: 
         assert len(r["step_s"]) == len(r["compute_s"]) == len(r["comm_exposed_s"]) == STEPS
         _assert_durations_add_up(r)
         assert r["memory"]["model_state"]["params"] == 4 * r["num_parameters"]
+        assert r["throughput"]["devices"] == 2 and r["throughput"]["mfu"] > 0  # the harness's MFU, every recipe
         if variant != "torch":
             # The ledger: exactly the gradient bytes all-reduced in every step.
             assert r["comm_bytes"] == [r["grad_bytes"]] * STEPS == [4 * r["num_parameters"]] * STEPS
@@ -195,6 +196,7 @@ def test_bench_quick_structure_and_exact_bytes(tmp_path, capsys) -> None:
     assert lines[-2].startswith("buffered / torch DDP step time") and "2 processes" in lines[-2]
     assert (tmp_path / "ddp.txt").read_text() == printed  # the .txt is exactly what the bench printed
     assert "== 2 processes (gloo, 1 thread(s)/rank)" in printed
+    assert any(x.startswith("  bucketed ") and ": tokens/s " in x and ", MFU " in x for x in lines)  # the harness's
     data = json.loads((tmp_path / "ddp.json").read_text())
     res = data["2"]
     assert (tmp_path / "ddp.png").stat().st_size > 0

@@ -11,7 +11,8 @@ Four parts, each a list of rows whose field names are those of the shared H200 f
 * ``adamw``: one ``torch.optim.AdamW.step`` (fused on CUDA) over fp32 parameters:
   ``params, s, gbytes_per_s`` (28 bytes per parameter: read p, g, m, v; write p, m, v);
 * ``gpt``: lslm's GPT trained in bf16 autocast with AdamW: ``step_s, tokens_per_s, mfu`` (flops
-  ``6·N·tokens + 6·L·h·s²·B``, over ``peak_bf16_dense``) and allocator bytes on CUDA
+  ``6·N·tokens + 6·L·h·s²·B`` by :func:`lslm.metrics.flops.gpt_step_flops`, ``N`` the matmul weights, head
+  included, embedding lookups not; over ``peak_bf16_dense``) and allocator bytes on CUDA
   (``mem_states_bytes`` before the forward, ``mem_peak_bytes`` during forward + backward, their difference
   ``mem_activation_bytes``, ``reserved_bytes``; None on the CPU).
 
@@ -31,10 +32,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lslm.metrics.flops import DEVICE_PEAKS, gpt_step_flops, peak_for
+
 __all__ = ["PEAK_BF16_DENSE", "SIZES", "adamw", "attention", "gemm", "gpt", "peak_flops", "time_median"]
 
-#: Dense bf16 peak by GPU name (vendor datasheets, no sparsity): the MFU denominators. Unknown GPU: MFU is None.
-PEAK_BF16_DENSE = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "L4": 121e12}
+#: Dense bf16 peak by GPU name: :data:`lslm.metrics.flops.DEVICE_PEAKS`' bf16 column (vendor datasheets, no
+#: sparsity), the MFU denominators. Unknown GPU: MFU is None.
+PEAK_BF16_DENSE = {gpu: peaks["bf16"] for gpu, peaks in DEVICE_PEAKS.items() if "bf16" in peaks}
 
 #: sizes per part: "gpu" for a real check, "tiny" for the CPU dry run (code paths and JSON only)
 SIZES: dict[str, dict[str, Any]] = {
@@ -53,11 +57,8 @@ SIZES: dict[str, dict[str, Any]] = {
 
 
 def peak_flops(device_name: str) -> float | None:
-    """The dense bf16 peak of the GPU called ``device_name`` (from :data:`PEAK_BF16_DENSE`), else None."""
-    for key, value in PEAK_BF16_DENSE.items():
-        if key.lower() in device_name.lower():
-            return value
-    return None
+    """The dense bf16 peak of the GPU called ``device_name`` (:func:`lslm.metrics.flops.peak_for`), else None."""
+    return peak_for(device_name, "bf16")
 
 
 def time_median(fn: Callable[[], Any], device: torch.device, *, warmup: int = 2, repeats: int = 10) -> float:
@@ -190,7 +191,7 @@ def _gpt_one(device: torch.device, spec: dict[str, Any], seq: int, vocab: int, p
         torch.cuda.reset_peak_memory_stats(device)
     s = time_median(step, device, warmup=1, repeats=repeats)
     peak_bytes = _memory(device, "peak")
-    flops = 6 * n * batch * seq + 6 * L * h * seq * seq * batch
+    flops = gpt_step_flops(model.config, batch).model  # lslm.metrics.flops: 6·N·tokens + 6·L·h·s²·B, causal
     return {"params": n, "first_step_s": first, "step_s": s, "tokens_per_s": batch * seq / s,
             "mfu": flops / s / peak if peak else None, "mem_states_bytes": before, "mem_peak_bytes": peak_bytes,
             "mem_activation_bytes": None if before is None else peak_bytes - before,

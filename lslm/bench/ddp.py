@@ -71,7 +71,8 @@ from lslm.bench.checks import at_least, world_sizes
 from lslm.bench.ddp_report import plot, print_table, ratio
 from lslm.bench.devices import device_env
 from lslm.data_parallel.ddp import GRAD_LABEL, cap_bytes
-from lslm.harness import Report, StepTimer, Variant, run_variants
+from lslm.harness import Report, StepTimer, Variant, run_variants, step_throughput
+from lslm.metrics.flops import gpt_step_flops
 from lslm.precision import PlainOptimizer
 from lslm.runtime.startup import synchronize
 
@@ -238,6 +239,7 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
 
         rows = []
         num_params = sum(p.numel() for p in bnet.parameters())
+        flops = gpt_step_flops(bnet.config, batch_per_rank * n)  # the global batch: every rank's rows
         for (variant, mb, _net, ddp, _), t in zip(runs, timings):
             grad_bytes = int(ddp.grad_bytes) if ddp is not None else 0
             rows.append({
@@ -249,6 +251,7 @@ def worker(model: dict[str, Any], batch_per_rank: int = 2, bucket_cap_mb: float 
                 "grad_bytes": grad_bytes, "ledger_bytes_per_step": t.extra,
                 "ledger_exact": variant in LEDGER_VARIANTS and all(b == grad_bytes for b in t.extra)
                 and grad_bytes == 4 * num_params,
+                "throughput": step_throughput(flops, t.median(), dev, n).to_dict(),
             })
         main = rows[main_b]
         result = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lslm.harness import Report
+from lslm.harness import Report, throughput_lines
 
 __all__ = ["plot", "print_table", "ratio"]
 
@@ -54,6 +54,9 @@ def print_table(results: dict[int, dict[str, Any]], report: Report | None = None
             out(f"{r['variant']:<9} {r['bucket_mb']:>10g} {'-' if nb is None else nb:>7} {r['step_ms']:>8.1f} "
                 f"{r['compute_ms']:>8.1f} {r['exposed_ms']:>8.1f} {r['optimizer_ms']:>6.1f} "
                 f"{r['step_ms'] / local:>7.2f}x {r['step_ms'] / torch_ms:>7.2f}x  {led}")
+        for line in throughput_lines([r for r in res["rows"] if r["bucket_mb"] == mb],
+                                     lambda r: f"{r['variant']} {r['bucket_mb']:g} MiB"):
+            out("  " + line)
         if any(r["variant"] == "buffered" for r in res["rows"]):  # absent from results written before it
             out("buffered = bucketed DDP on the gradient buffer: main_grad views into fp32 buffers, each bucket "
                 "all-reduced in place (no copies)")

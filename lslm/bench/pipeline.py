@@ -69,7 +69,8 @@ import torch
 from lslm.bench.checks import at_least, world_sizes
 from lslm.bench.devices import device_env
 from lslm.bench.pipeline_report import PAIR_NAMES, model_line, plot, print_table, ratio_line  # noqa: F401 (re-exported)
-from lslm.harness import Report, StepTimer, Variant, run_variants
+from lslm.harness import Report, StepTimer, Variant, run_variants, step_throughput
+from lslm.metrics.flops import gpt_step_flops
 
 __all__ = ["BENCH_BATCH", "BENCH_MODEL", "PAIRS", "QUICK_MODEL", "compute_overhead_s", "in_step_messages_s",
            "measured_message_s", "model_line", "p2p_seconds",
@@ -317,6 +318,7 @@ def worker(model: dict[str, Any], batch: int, microbatches: list[int], repeats: 
             timings = run_variants(variants, steps=repeats, warmup=warmup, device=dev,
                                    after_round=lambda _i: ledger.reset())
             x, y = data[0][:, :-1], data[0][:, 1:]
+            flops = gpt_step_flops(cfg, batch)  # forward and backward of the whole batch (no optimizer step)
             for name, ours, theirs, v in pairs:
                 t_ours, t_theirs = timings[f"lslm {name}"], timings[f"torch {name}"]
                 pipe = next(pp for n, k, pp in built if n == name and k == "lslm")
@@ -338,6 +340,7 @@ def worker(model: dict[str, Any], batch: int, microbatches: list[int], repeats: 
                        "pp_comm_bytes_rank0": sum(r.nbytes for r in sent), "pp_comm_calls_rank0": len(sent),
                        **_bubbles(pipe, recorded[name], timings[f"lslm {name} recorded"].total_s, message,
                                   p2p_fit)}
+                row["throughput"] = step_throughput(flops, t_ours.median(), dev, ctx.pp_size).to_dict()
                 row["ratio"] = row["lslm_ms"] / row["torch_ms"]
                 row["model_error"] = (row["model_ms"] - row["lslm_ms"]) / row["lslm_ms"]
                 row["model_in_step_error"] = (None if row["model_in_step_ms"] is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lslm.harness import Report
+from lslm.harness import Report, throughput_lines
 
 __all__ = ["PAIR_NAMES", "model_line", "plot", "print_table", "ratio_line"]
 
@@ -45,6 +45,8 @@ def print_table(results: dict[int, dict[str, Any]], report: Report | None = None
                 f"{r['bubble_measured']:>11.1%} "
                 f"{'-' if sim is None else f'{sim:.1%}':>7} {'-' if sim_m is None else f'{sim_m:.1%}':>8} {over:>8} "
                 f"{r['pp_comm_bytes_rank0'] / 1024:>10.0f} {r['max_loss_diff']:>9.1e}")
+        for line in throughput_lines(res["rows"], lambda r: f"lslm {r['pair']} m={r['m']}"):
+            out("  " + line)
         for m, why in res["skipped"].items():
             for name, reason in why.items():
                 out(f"  skipped {name} at m={m}: {reason}")

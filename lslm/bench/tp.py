@@ -33,7 +33,8 @@ import torch
 
 from lslm.bench.checks import at_least, world_sizes
 from lslm.bench.devices import device_env
-from lslm.harness import Report, StepTimer, Variant, run_variants
+from lslm.harness import Report, StepTimer, Variant, run_variants, step_throughput, throughput_lines
+from lslm.metrics.flops import gpt_step_flops
 
 __all__ = ["BENCH_MODEL", "QUICK_MODEL", "bus_mib", "plot", "print_table", "ratio", "run", "worker"]
 
@@ -185,6 +186,7 @@ def worker(model: dict[str, Any], batch: int, seq: int, sequence_parallel: bool 
         timings = run_variants(variants, steps=steps, warmup=warmup, phases=PHASES, device=dev,
                                after_round=lambda _i: ledger.reset())
         x, y = data[0][:, :-1], data[0][:, 1:]
+        flops = gpt_step_flops(cfg, batch, seq_len=seq)  # every rank of the group works on the same batch
         rows = []
         for (kind, sp, net, opt, step), (name, t) in zip(built, timings.items()):
             calls, nbytes, bus = _comm(kind, net, opt, step, x, y, dev, ctx)
@@ -195,6 +197,7 @@ def worker(model: dict[str, Any], batch: int, seq: int, sequence_parallel: bool 
                          "max_loss_diff_vs_other": max(abs(a - b) for a, b in zip(losses[name], losses[twin])),
                          "collectives_per_step": calls, "comm_bytes_per_step": nbytes,
                          "comm_bus_bytes_per_step": bus,
+                         "throughput": step_throughput(flops, t.median(), dev, ctx.world_size).to_dict(),
                          **_memory(net, opt, step, x, y, dev)})
         result = {"tp": ctx.tp_size, "model": model, "batch": batch, "seq": seq, "steps": steps, "warmup": warmup,
                   "threads": torch.get_num_threads(), "backend": ctx.backend, "device": str(dev),
@@ -241,6 +244,9 @@ def print_table(results: dict[int, dict[str, Any]], report: Report | None = None
                 f"{r['optimizer_bytes'] / MIB:>6.2f} {r['activation_bytes'] / MIB:>9.2f} "
                 f"{r['collectives_per_step']:>5} {r['comm_bytes_per_step'] / MIB:>7.2f} {_bus_mib(r):>7} "
                 f"{r['max_loss_diff_vs_other']:>9.1e}")
+        for line in throughput_lines(res["rows"], lambda r: f"{r['variant']} SP "
+                                     f"{'on' if r['sequence_parallel'] else 'off'}"):
+            out("  " + line)
         out("(times: ms, slowest rank, phases on it; memory: MiB per rank (params, grads, optimizer state, bytes saved "
             f"for backward); colls, buf MiB, bus MiB: one step's collectives, their buffers and what a rank sends "
             f"(2(t-1)/t per all-reduce, (t-1)/t per all-gather or reduce-scatter)"

@@ -34,7 +34,8 @@ import torch
 
 from lslm.bench.checks import at_least, world_sizes
 from lslm.bench.devices import device_env
-from lslm.harness import Report, StepTimer, Variant, run_variants
+from lslm.harness import Report, StepTimer, Variant, run_variants, step_throughput, throughput_lines
+from lslm.metrics.flops import gpt_step_flops
 
 __all__ = ["BENCH_MODEL", "DEEPSPEED_ENTRIES", "ENTRIES", "QUICK_MODEL", "plot", "print_table", "ratios", "run",
            "worker"]
@@ -172,6 +173,7 @@ def worker(model: dict[str, Any], rows: int, entries: list[str], steps: int = 10
         timings = run_variants(variants, steps=steps, warmup=warmup, phases=PHASES, device=dev,
                                after_round=lambda _i: ledger.reset())
         x, y = data[0][:, :-1], data[0][:, 1:]
+        flops = gpt_step_flops(cfg, rows * world)  # the global batch
         out_rows = []
         for (kind, net, opt, step), t in zip(built, timings.values()):
             start = len(ledger.records)
@@ -191,6 +193,7 @@ def worker(model: dict[str, Any], rows: int, entries: list[str], steps: int = 10
                 "offload_bytes": dict(opt.offload_bytes) if lslm_sees else None,
                 "disk_bytes": dict(opt.disk.bytes_moved) if lslm_sees and opt.disk is not None else None,
                 "collectives": seen.as_dict(),
+                "throughput": step_throughput(flops, t.median(), dev, world).to_dict(),
                 **_memory(net, opt)})
         result = {"world": world, "model": model, "rows_per_rank": rows, "steps": steps, "warmup": warmup,
                   "threads": torch.get_num_threads(), "backend": ctx.backend, "device": str(dev),
@@ -244,6 +247,8 @@ def print_table(results: dict[int, dict[str, Any]], report: Report | None = None
                 f"{r['optimizer_ms']:>6.1f} {vs} {_mib(r['params_bytes']):>7} {_mib(r['grads_bytes']):>6} "
                 f"{_mib(r['masters_bytes']):>6} {_mib(r['optimizer_bytes']):>6} {total / psi:>7.2f} "
                 f"{_mib(r['rs_bytes']):>6} {_mib(r['ag_bytes']):>6} {r['max_loss_diff_vs_ddp']:>9.1e}")
+        for line in throughput_lines(res["rows"], lambda r: r["entry"]):
+            out("  " + line)
         out("(times: ms, slowest rank; memory: MiB per rank after a step, by owner (FSDP2: its local shards; "
             "DeepSpeed: its partitions; torch DDP's internal gradient buckets and DeepSpeed's staging buffers not "
             "counted); B/param: model-state bytes per parameter per rank; RS/AG: one step's reduce-scatters and "

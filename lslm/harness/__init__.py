@@ -5,6 +5,7 @@
 * :mod:`~lslm.harness.recipe` - ``build(cfg, ctx) -> Built`` and the training loop that times, counts and reports it;
 * :mod:`~lslm.harness.entry` - one rank under torchrun, several runs in one job, or a launch from a notebook;
 * :mod:`~lslm.harness.bench_runner` - variants interleaved, critical path over ranks, medians;
+* :mod:`~lslm.harness.throughput` - tokens/s, TFLOP/s, MFU and HFU of a timed step (recipes and benches);
 * :mod:`~lslm.harness.report` - the one writer of a bench's ``.txt`` (what it printed), ``.json`` and ``.png``.
 """
 
@@ -20,14 +21,22 @@ from lslm.harness.entry import (
     run_or_launch,
     run_rank,
 )
-from lslm.harness.recipe import REPORT_LABEL, Built, gather_summaries, summarize, train_loop, write_run_log
+from lslm.harness.recipe import (
+    REPORT_LABEL,
+    Built,
+    gather_summaries,
+    summarize,
+    train_loop,
+    write_run_log,
+)
 from lslm.harness.report import Report
+from lslm.harness.throughput import step_throughput, throughput_lines
 from lslm.harness.timer import Marks, StepTimer, timer_mode
 
 __all__ = [
     "REPORT_LABEL", "Built", "Marks", "Recipe", "Report", "StepTimer", "Timing", "Variant",
     "check_fields", "config_parser", "critical_path", "entry_points", "gather_ranks", "gather_summaries",
     "launch_recipe", "option", "parse_config", "recipe_main", "run_in_context", "run_many", "run_or_launch", "run_rank",
-    "run_variants",
+    "run_variants", "step_throughput", "throughput_lines",
     "summarize", "timer_mode", "train_loop", "write_run_log",
 ]

@@ -32,7 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lslm.harness.throughput import step_throughput
 from lslm.harness.timer import Marks, StepTimer
+from lslm.metrics.flops import StepFlops
 from lslm.metrics.memory import memory_report
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.files import atomic_write_bytes
@@ -65,7 +67,10 @@ class Built:
       whose grid differs from the launch's, e.g. the second of several runs in one job); the
       global loss is averaged over *its* data-parallel group;
     * ``first_step``: where a resumed run starts (it has loaded a checkpoint of that step and
-      positioned ``batches`` there); the loop runs steps ``first_step .. cfg.steps - 1``.
+      positioned ``batches`` there); the loop runs steps ``first_step .. cfg.steps - 1``;
+    * ``flops``: one step's flops over all ranks (:func:`lslm.metrics.flops.gpt_step_flops`); the loop then
+      reports tokens/s, achieved TFLOP/s, MFU and HFU against the device's peak
+      (:func:`lslm.harness.throughput.step_throughput`).
     """
 
     model: nn.Module
@@ -82,6 +87,7 @@ class Built:
     name: str = "train"
     ctx: ParallelContext | None = None
     first_step: int = 0
+    flops: StepFlops | None = None
 
 
 def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None) -> dict[str, Any]:
@@ -94,7 +100,8 @@ def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None) -> di
     per step, the mean of the data-parallel ranks' losses: one all-reduce labelled
     :data:`REPORT_LABEL`), ``memory`` (:func:`lslm.metrics.memory.memory_report` on this
     rank), ``num_parameters``, ``threads``, ``config``, ``rank``, ``world_size``, ``dp_size``, ``device``,
-    ``backend`` and ``built.info``.
+    ``backend`` and ``built.info``; with ``built.flops``, ``throughput``
+    (:func:`~lslm.harness.throughput.step_throughput` of this rank's median step), which rank 0 also prints.
     """
     ctx = built.ctx if built.ctx is not None else ctx  # the technique's own grid, when it built one
     ledger = ctx.comm.ledger if ctx is not None else None
@@ -127,6 +134,12 @@ def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None) -> di
             elif ctx.rank == 0:
                 extra = built.log(now) if built.log is not None else ""
                 rank_print(f"step {step:>4}  loss(rank 0) {value:.4f}  step {1e3 * marks.total:7.1f} ms{extra}")
+    rates = None
+    if built.flops is not None and rec["step_s"]:
+        rates = step_throughput(built.flops, statistics.median(rec["step_s"]), built.device,
+                                ctx.world_size if ctx is not None else 1)
+        if ctx is None or ctx.rank == 0:
+            rank_print(f"throughput ({built.name}, median step): {rates.line()}")
     return {
         "rank": ctx.rank if ctx is not None else 0,
         "world_size": ctx.world_size if ctx is not None else 1,
@@ -140,8 +153,10 @@ def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None) -> di
         "first_step": built.first_step,
         "device": str(built.device),
         "backend": ctx.backend if ctx is not None else None,
+        **({"throughput": rates.to_dict()} if rates is not None else {}),
         **built.info,
     }
+
 
 
 def _global_losses(local: list[float], ctx: ParallelContext | None) -> list[float]:

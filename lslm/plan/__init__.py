@@ -15,7 +15,8 @@ Modules, one job each: :mod:`.model` (the model and its batch), :mod:`.params` (
 ``torch.autocast`` keeps: ``Layout.mixed="autocast"``), :mod:`.memory` (a stage's peak), :mod:`.comm`
 (collectives per axis), :mod:`.timing` (flops, step, rooflines), :mod:`.estimate`, :mod:`.search`, :mod:`.terms`
 (a number with its formula), :mod:`.calibrate` (the cpu-box from committed measurements), :mod:`.validate`
-(against the benches), :mod:`.validate_memory` (memory against the H200 runs), :mod:`.long_context` (activations per
+(against the benches), :mod:`.validate_memory` (memory against the H200 runs), :mod:`.inputs` (bad
+input refused before any work, naming the flag), :mod:`.long_context` (activations per
 device against sequence length, TP+SP alone and with cp). Pure arithmetic: no processes,
 no tensors; it reuses :mod:`lslm.metrics`' formulas (Korthikanti's layer bytes, the collectives' cost model).
 """

@@ -19,9 +19,10 @@ from typing import Any
 
 from lslm.plan.estimate import estimate
 from lslm.plan.hardware import PRECISIONS, Link, hardware_presets
+from lslm.plan.inputs import check_arguments, check_weights_fit, describe_flags
 from lslm.plan.layout import CP_METHODS, MIXED, OFFLOADS, RECOMPUTE, Layout
 from lslm.plan.model import ModelSpec, model_presets
-from lslm.plan.search import search
+from lslm.plan.search import search, why_none_fit
 from lslm.plan.validate import format_validation, load_results, results_dir, validate
 from lslm.plan.validate_memory import format_memory_validation, load_gpu_rows, validate_memory
 
@@ -121,6 +122,7 @@ def _model(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelSpec
 def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Print one layout's table, or the ``--top`` layouts of ``--search``. Returns the exit status."""
     try:
+        check_arguments(ns)  # every number in range before any work (lslm.plan.inputs)
         if ns.validate:
             rows = validate(load_results(ns.results))
             print("the calculator (cpu-box preset) against the committed benches' measured step times")
@@ -158,12 +160,13 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if ns.search:
             if ns.devices is None:
                 parser.error("--search needs --devices (how many devices to lay the model out on)")
-            found = search(model, hw, ns.devices, precision=ns.precision, flash_attention=ns.flash, top=ns.top,
-                           mixed=ns.mixed,
-                           context_parallel=tuple(ns.search_cp), cp_methods=(ns.cp_method,))
+            check_weights_fit(model, hw, ns.devices, ns.precision, ns.mixed, describe_flags(ns))
+            options: dict[str, Any] = dict(precision=ns.precision, flash_attention=ns.flash, mixed=ns.mixed,
+                                           context_parallel=tuple(ns.search_cp), cp_methods=(ns.cp_method,))
+            found = search(model, hw, ns.devices, top=ns.top, **options)
             if not found:
                 print(f"no layout of {model.name} fits {ns.devices} x {hw.name} "
-                      f"({hw.usable_bytes / 1e9:.1f} GB usable each)")
+                      f"({hw.usable_bytes / 1e9:.1f} GB usable each): {why_none_fit(model, hw, ns.devices, **options)}")
                 return 1
             print(f"{model.name} on {ns.devices} x {hw.name}: the {len(found)} fastest layouts that fit "
                   f"(compute at {hw.compute_efficiency:g} x peak; MFU is model flops over peak)")
@@ -181,6 +184,7 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         zero=ns.zero, offload=ns.offload, sequence_parallel=ns.sp, recompute=ns.recompute,
                         precision=ns.precision, flash_attention=ns.flash, regather=not ns.no_regather,
                         mixed=ns.mixed)
+        check_weights_fit(model, hw, ns.devices or layout.world, ns.precision, ns.mixed, describe_flags(ns))
         print(estimate(model, layout, hw, ns.devices).format())
         return 0
     except ValueError as exc:

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from lslm.metrics.flops import DEVICE_PEAKS
 from lslm.metrics.step_time import LinkCost
 
 __all__ = ["OPTIMIZER_BYTES", "PRECISIONS", "Hardware", "Link", "hardware_presets"]
@@ -67,8 +68,9 @@ class Link:
                                  f"points in increasing payload, got {points!r}")
         if not (isinstance(self.alpha_s, (int, float)) and self.alpha_s >= 0 and math.isfinite(self.alpha_s)):
             raise ValueError(f"Link.alpha_s must be a finite number >= 0 (seconds per message), got {self.alpha_s!r}")
-        if not (isinstance(self.bandwidth_Bps, (int, float)) and self.bandwidth_Bps > 0):
-            raise ValueError(f"Link.bandwidth_Bps must be > 0 (bytes per second), got {self.bandwidth_Bps!r}")
+        if not (isinstance(self.bandwidth_Bps, (int, float)) and 0 < self.bandwidth_Bps < math.inf):
+            raise ValueError(f"Link.bandwidth_Bps must be finite and > 0 (bytes per second), "
+                             f"got {self.bandwidth_Bps!r}")
 
     def for_algorithm(self, algorithm: str) -> Link:
         """The link that prices ``algorithm``: its own entry of ``per_algorithm`` if it has one, else this one."""
@@ -136,8 +138,8 @@ class Hardware:
         if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
                 or self.devices_per_node < 1:
             raise ValueError(f"Hardware.devices_per_node must be an int >= 1, got {self.devices_per_node!r}")
-        if not self.hbm_bytes > 0:
-            raise ValueError(f"Hardware.hbm_bytes must be > 0, got {self.hbm_bytes!r}")
+        if not 0 < self.hbm_bytes < math.inf:
+            raise ValueError(f"Hardware.hbm_bytes must be finite and > 0 (bytes per device), got {self.hbm_bytes!r}")
         if not 0 <= self.reserved_bytes < self.hbm_bytes:
             raise ValueError(f"Hardware.reserved_bytes must be in [0, hbm_bytes), got {self.reserved_bytes!r}")
         if self.dropout_mask_bytes not in (1, 2, 4):
@@ -145,12 +147,13 @@ class Hardware:
         if len(self.layer_overhead_s) != 2 or min(self.layer_overhead_s) < 0:
             raise ValueError(f"Hardware.layer_overhead_s must be (forward, backward) seconds >= 0, "
                              f"got {self.layer_overhead_s!r}")
-        if self.optimizer_Bps is not None and not self.optimizer_Bps > 0:
-            raise ValueError(f"Hardware.optimizer_Bps must be > 0 bytes per second or None, got {self.optimizer_Bps!r}")
+        if self.optimizer_Bps is not None and not 0 < self.optimizer_Bps < math.inf:
+            raise ValueError(f"Hardware.optimizer_Bps must be finite and > 0 bytes per second or None, "
+                             f"got {self.optimizer_Bps!r}")
         for name in ("host_copy_Bps", "disk_Bps"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"Hardware.{name} must be > 0 bytes per second or None, got {value!r}")
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"Hardware.{name} must be finite and > 0 bytes per second or None, got {value!r}")
         if self.cores is not None and (isinstance(self.cores, bool) or not isinstance(self.cores, int)
                                        or self.cores < 1):
             raise ValueError(f"Hardware.cores must be an int >= 1 or None, got {self.cores!r}")
@@ -159,8 +162,8 @@ class Hardware:
         for precision, rate in self.peak_flops.items():
             if precision not in PRECISIONS:
                 raise ValueError(f"Hardware.peak_flops: unknown precision {precision!r}; use {PRECISIONS}")
-            if not (isinstance(rate, (int, float)) and rate > 0):
-                raise ValueError(f"Hardware.peak_flops[{precision!r}] must be > 0 flop/s, got {rate!r}")
+            if not (isinstance(rate, (int, float)) and 0 < rate < math.inf):
+                raise ValueError(f"Hardware.peak_flops[{precision!r}] must be finite and > 0 flop/s, got {rate!r}")
 
     @property
     def usable_bytes(self) -> float:
@@ -203,9 +206,12 @@ def hardware_presets() -> dict[str, Hardware]:
       23 GiB (``free -g`` when this was written), one share per process.
     ``reserved_bytes`` (2 GiB on the GPUs) is our assumption for the CUDA context and allocator slack.
     """
-    h100 = Hardware("H100 SXM 80GB", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, hbm_bytes=80 * GiB,
+    def peaks(gpu: str) -> dict[str, float]:  # lslm.metrics.flops' datasheet table, the precisions planned here
+        return {p: DEVICE_PEAKS[gpu][p] for p in PRECISIONS}
+
+    h100 = Hardware("H100 SXM 80GB", peaks("H100"), hbm_bytes=80 * GiB,
                     devices_per_node=8, intra=Link(5e-6, 450e9), inter=Link(10e-6, 50e9), reserved_bytes=2 * GiB)
-    a100 = Hardware("A100 SXM 80GB", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, hbm_bytes=80 * GiB,
+    a100 = Hardware("A100 SXM 80GB", peaks("A100"), hbm_bytes=80 * GiB,
                     devices_per_node=8, intra=Link(5e-6, 300e9), inter=Link(10e-6, 25e9), reserved_bytes=2 * GiB)
     sizes = (4096.0, 65536.0, 1048576.0, 16777216.0, 67108864.0)  # collectives.json: 4 KiB-64 MiB
 

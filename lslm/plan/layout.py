@@ -37,6 +37,7 @@ the whole model (parameters are replicated over ``cp``; gradients are reduced ov
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lslm.plan.hardware import PRECISIONS
@@ -116,8 +117,9 @@ class Layout:
             if self.dp_shard < self.dp and self.zero == 0:
                 raise ValueError(f"dp_shard={self.dp_shard} < dp={self.dp} shards ZeRO's states over part of dp "
                                  "(HSDP): it needs zero >= 1")
-        if not self.bucket_mb > 0:
-            raise ValueError(f"Layout.bucket_mb must be > 0, got {self.bucket_mb!r}")
+        if not 0 < self.bucket_mb < math.inf:
+            raise ValueError(f"Layout.bucket_mb must be finite and > 0 (megabytes per data-parallel bucket), "
+                             f"got {self.bucket_mb!r}")
 
     @property
     def dp_shard_size(self) -> int:

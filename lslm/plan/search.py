@@ -22,8 +22,9 @@ from lslm.plan.estimate import Estimate, estimate
 from lslm.plan.hardware import Hardware
 from lslm.plan.layout import Layout
 from lslm.plan.model import ModelSpec, model_presets
+from lslm.plan.terms import format_bytes_gb
 
-__all__ = ["SIZING_QUESTIONS", "search", "sizing_answers"]
+__all__ = ["SIZING_QUESTIONS", "search", "sizing_answers", "why_none_fit"]
 
 #: The course's sizing questions: a published model on a device count (our choice: GPT-3 on 1024 devices, the count
 #: Narayanan et al. 2021 §5.1 size its training on; Llama-2 70B on 8 nodes; Llama-3 8B on one node of 8).
@@ -97,6 +98,35 @@ def search(model: ModelSpec, hardware: Hardware, devices: int, *, precision: str
     found.sort(key=lambda e: (e.step_s, e.peak_bytes))
     return found[:top]
 
+
+
+def why_none_fit(model: ModelSpec, hardware: Hardware, devices: int, **options: Any) -> str:
+    """Why :func:`search` with these arguments found no layout that fits: every candidate over memory (the one
+    needing least memory named), or no candidate that can run at all, with the sizes that do not divide.
+
+    ``options`` are :func:`search`'s keywords; this runs the search again, keeping layouts that do not fit.
+    """
+    options = {**options, "fitting_only": False, "top": 10**9}
+    runnable = search(model, hardware, devices, **options)
+    usable = format_bytes_gb(hardware.usable_bytes)
+    if runnable:
+        closest = min(runnable, key=lambda e: e.peak_bytes)
+        return (f"every one of the {len(runnable)} layouts that run is over memory; the closest, "
+                f"{closest.layout.describe()} with micro-batch {closest.model.micro_batch}, needs "
+                f"{format_bytes_gb(closest.peak_bytes)} on its most loaded device, {usable} usable: give more "
+                "devices, more memory, or a smaller model or batch")
+    max_tp = options.get("max_tp") or hardware.devices_per_node
+    tps = [t for t in _divisors(devices) if t <= max_tp and model.n_head % t == 0]
+    cps = sorted(set(options.get("context_parallel", (1,))))
+    dps = sorted({devices // (t * c * p) for t in tps for c in cps if (devices // t) % c == 0
+                  for p in _divisors(devices // (t * c)) if model.n_layer % p == 0})
+    mbs = tuple(options.get("micro_batches", (1, 2, 4, 8)))
+    shown = ", ".join(map(str, dps[:8])) + (", ..." if len(dps) > 8 else "")
+    return (f"none can run on {devices} devices: tp must divide the {model.n_head} heads (at most "
+            f"{max_tp}, one node), pp the {model.n_layer} layers, leaving dp = devices / (tp x cp x pp) in "
+            f"{{{shown}}}, and no dp x micro-batch (micro-batches {mbs}) divides the global batch of "
+            f"{model.global_batch} sequences (or the sequence, {model.seq_len}, does not split). Use a device count "
+            "that leaves a dp dividing the batch, or change the global batch")
 
 
 def sizing_answers(hardware: Hardware, *, top: int = 3, flash_attention: bool | None = None,

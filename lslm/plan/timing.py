@@ -70,6 +70,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lslm.metrics.flops import training_flops
 from lslm.plan.comm import AxisComm
 from lslm.plan.hardware import OPTIMIZER_BYTES, Hardware
 from lslm.plan.layout import Layout
@@ -101,10 +102,11 @@ def layer_forward_flops(model: ModelSpec, sequences: int = 1) -> tuple[float, fl
 def model_flops(model: ModelSpec, recompute: str = "none", sequences: int | None = None) -> float:
     """Flops of one training step on ``sequences`` (default ``global_batch``) sequences (module doc)."""
     sequences = model.global_batch if sequences is None else sequences
-    mm, core = layer_forward_flops(model, sequences)
-    head = 2 * sequences * model.seq_len * model.hidden * model.vocab
-    extra = {"none": 0.0, "selective": core, "full": mm + core}[recompute]
-    return model.n_layer * (3 * (mm + core) + extra) + 3 * head
+    # lslm.metrics.flops' count, attention dense: the work an unfused attention computes before masking
+    return training_flops(n_layer=model.n_layer, hidden=model.hidden, seq_len=model.seq_len,
+                          layer_matmul_params=model.n_layer * _matmul_params(model),
+                          head_params=model.hidden * model.vocab, tokens=sequences * model.seq_len, causal=False,
+                          recompute=recompute).hardware
 
 
 def narayanan_flops(model: ModelSpec, full_recompute: bool = False) -> float:

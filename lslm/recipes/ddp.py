@@ -62,7 +62,7 @@ from lslm.harness import (
     recipe_main,
     summarize,
 )
-from lslm.recipes.train import TrainConfig, build_model, precision_fields, prepare_training
+from lslm.recipes.train import TrainConfig, build_model, precision_fields, prepare_training, step_flops
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.startup import run_then_exit
 
@@ -227,7 +227,7 @@ def build(cfg: DDPConfig, ctx: ParallelContext) -> Built:
             "tokens_per_step": cfg.batch_size * cfg.block_size, "precision": cfg.precision}
     return Built(model=ddp.module, optimizer=optimizer, step=step, batches=_blocks(loader, sampler, ctx.device),
                  device=ctx.device, before_step=before_step, per_step=per_step, count=("all_reduce", GRAD_LABEL),
-                 log=log, info=info, name=f"ddp-{cfg.variant}", owners=(ddp,))
+                 log=log, info=info, name=f"ddp-{cfg.variant}", owners=(ddp,), flops=step_flops(cfg))
 
 
 def split_compute_comm(m: Marks, in_reducer: bool) -> dict[str, float]:

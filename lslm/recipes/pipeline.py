@@ -55,6 +55,7 @@ from lslm.recipes.train import (
     precision_fields,
     prepare_training,
     replica_loader,
+    step_flops,
 )
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import resolve_sizes
@@ -175,7 +176,8 @@ def build(cfg: PipelineConfig, ctx: ParallelContext) -> Built:
             "tokens_per_step": cfg.batch_size * cfg.block_size, "precision": cfg.precision}
     return Built(model=local, optimizer=optimizer, step=step, batches=next_token_batches(loader, pctx.device), ctx=pctx,
                  device=pctx.device, per_step=per_step, count=(None, None), log=log, info=info,
-                 name=f"pp{cfg.pp}-dp{dp}-{cfg.schedule}")
+                 name=f"pp{cfg.pp}-dp{dp}-{cfg.schedule}",
+                 flops=step_flops(cfg, "full" if cfg.remat else "none"))
 
 
 RECIPE = Recipe("lslm.recipes.pipeline", PipelineConfig, build, check_config,

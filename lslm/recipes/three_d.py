@@ -46,7 +46,15 @@ from lslm.harness import Built, Marks, Recipe, StepTimer, entry_points, option, 
 from lslm.harness import summarize as summarize_run
 from lslm.pipeline.p2p import is_p2p_label
 from lslm.recipes.pipeline import PipelineConfig, plan_of
-from lslm.recipes.train import adamw, build_model, grad_buffer_dtype, precision_fields, prepare_training, replica_loader
+from lslm.recipes.train import (
+    adamw,
+    build_model,
+    grad_buffer_dtype,
+    precision_fields,
+    prepare_training,
+    replica_loader,
+    step_flops,
+)
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import resolve_sizes
 from lslm.runtime.startup import run_then_exit
@@ -166,7 +174,8 @@ def build(cfg: ThreeDConfig, ctx: ParallelContext) -> Built:
             "recompute": cfg.recompute}
     name = f"dp{dp}-tp{cfg.tp}-pp{cfg.pp}-{cfg.schedule}-zero{cfg.zero}" + ("-sp" if cfg.sequence_parallel else "")
     return Built(model=local, optimizer=optimizer, step=step, batches=next_token_batches(loader, gctx.device),
-                 ctx=gctx, device=gctx.device, per_step=per_step, count=(None, None), log=log, info=info, name=name)
+                 ctx=gctx, device=gctx.device, per_step=per_step, count=(None, None), log=log, info=info, name=name,
+                 flops=step_flops(cfg, cfg.recompute))
 
 
 RECIPE = Recipe("lslm.recipes.three_d", ThreeDConfig, build, check_config,

@@ -43,7 +43,14 @@ from lslm.data.dataset import next_token_batches
 from lslm.harness import Built, Marks, Recipe, StepTimer, entry_points, option, recipe_main
 from lslm.harness import summarize as summarize_run
 from lslm.precision import OVERFLOW_LABEL
-from lslm.recipes.train import TrainConfig, build_model, precision_fields, prepare_training, replica_loader
+from lslm.recipes.train import (
+    TrainConfig,
+    build_model,
+    precision_fields,
+    prepare_training,
+    replica_loader,
+    step_flops,
+)
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import resolve_sizes
 from lslm.runtime.startup import run_then_exit
@@ -149,7 +156,7 @@ def build(cfg: TPConfig, ctx: ParallelContext) -> Built:
             "tokens_per_step": cfg.batch_size * cfg.block_size}
     return Built(model=model, optimizer=optimizer, step=step, batches=next_token_batches(loader, tctx.device), ctx=tctx,
                  device=tctx.device, per_step=per_step, count=(None, None), log=log, info=info,
-                 name=f"tp{cfg.tp}-dp{dp}" + ("-sp" if cfg.sequence_parallel else ""))
+                 name=f"tp{cfg.tp}-dp{dp}" + ("-sp" if cfg.sequence_parallel else ""), flops=step_flops(cfg))
 
 
 RECIPE = Recipe("lslm.recipes.tp", TPConfig, build, check_config,

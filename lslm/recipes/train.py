@@ -36,13 +36,14 @@ from lslm.data.sampler import make_sampler
 from lslm.data_parallel.grad_buffer import has_main_grad
 from lslm.data_parallel.grad_sync import GRAD_DTYPES, attach_grad_buffers, resolve_grad_dtype
 from lslm.harness import Built, StepTimer, check_fields, option, parse_config, summarize, train_loop, write_run_log
+from lslm.metrics.flops import StepFlops, gpt_step_flops
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.precision import PARAM_DTYPES, PRECISION_MODES, PrecisionSetup, prepare_precision
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.startup import choose_device_and_backend
 
 __all__ = ["TrainConfig", "adamw", "build", "build_model", "data_stream", "grad_buffer_dtype", "main", "make_optimizer",
-           "precision_fields", "prepare_training", "replica_loader", "serial_device", "train"]
+           "precision_fields", "prepare_training", "replica_loader", "serial_device", "step_flops", "train"]
 
 
 @dataclass
@@ -168,6 +169,12 @@ def prepare_training(model: torch.nn.Module, cfg: TrainConfig, *, main_grad: boo
                              scaler=scaler, comm=ctx.comm if ctx is not None else None)
 
 
+def step_flops(cfg: TrainConfig, recompute: str = "none") -> StepFlops:
+    """One step's flops, all ranks together: the global ``batch_size`` sequences of ``block_size`` tokens through
+    ``cfg``'s GPT (:func:`lslm.metrics.flops.gpt_step_flops`), for the harness's MFU line."""
+    return gpt_step_flops(cfg.model_config(), cfg.batch_size, recompute=recompute, precision=cfg.precision)
+
+
 def precision_fields(setup: PrecisionSetup, stepped: bool) -> dict[str, float]:
     """This step's precision figures for a run record: the loss scale after the step, and whether it stepped."""
     return {"loss_scale": float(setup.optimizer.loss_scale), "stepped": float(stepped)}
@@ -195,7 +202,7 @@ def build(cfg: TrainConfig, ctx: ParallelContext | None = None) -> Built:
     return Built(model=model, optimizer=optimizer, step=step, batches=data_stream(cfg), device=device,
                  per_step=lambda marks: dict(figures), info={"tokens_per_step": cfg.batch_size * cfg.block_size,
                                                              "precision": cfg.precision},
-                 name="train")
+                 name="train", flops=step_flops(cfg))
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from lslm.harness import Built, Marks, Recipe, StepTimer, entry_points, option, 
 from lslm.harness import summarize as summarize_run
 from lslm.precision import PARAM_DTYPES
 from lslm.precision.scaler import DynamicLossScaler
-from lslm.recipes.train import TrainConfig, adamw, build_model, replica_loader
+from lslm.recipes.train import TrainConfig, adamw, build_model, replica_loader, step_flops
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import check_dp_shard
 from lslm.runtime.startup import run_then_exit
@@ -179,7 +179,7 @@ def build(cfg: ZeroConfig, ctx: ParallelContext) -> Built:
     name = f"zero{cfg.stage}-dp{dp}" + (f"-shard{optimizer.world}" if optimizer.replicas > 1 else "")
     return Built(model=model, optimizer=optimizer, step=step, batches=batches, ctx=ctx, device=ctx.device,
                  per_step=per_step, count=(None, None), log=log, info=info, name=name,
-                 first_step=first)
+                 first_step=first, flops=step_flops(cfg))
 
 
 RECIPE = Recipe("lslm.recipes.zero", ZeroConfig, build, check_config,
