@@ -50,7 +50,7 @@ def test_dry_run_lists_every_step_and_writes_the_json(monkeypatch: pytest.Monkey
     assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     [path] = tmp_path.iterdir()
-    assert path.name.startswith("dry-run_") and path.suffix == ".json" and f"wrote {path}" in printed
+    assert path.name.startswith("gpu-check_dry-run_") and path.suffix == ".json" and f"wrote {path}" in printed
     record = json.loads(path.read_text())
     assert record["dry_run"] is True and record["passed"] is True and record["device"] == "cpu (dry run)"
     names = [s["name"] for s in record["steps"]]

@@ -11,8 +11,9 @@ On a machine with one or more CUDA GPUs it runs, in order, each step with its ow
 4. ``lslm doctor`` (its 2-process smoke job: NCCL with two GPUs, CPU + gloo with one);
 5. the calibration measurements of :mod:`lslm.bench.calibrate` (GEMM, flash attention, AdamW, the course GPT).
 
-It writes one JSON, ``<out>/<gpu>_<YYYY-MM-DD>.json`` (default ``bench/results/gpu/``, e.g.
-``h200_2026-12-01.json``), for a developer to commit: the machine, every step's command, pass/fail,
+It writes one JSON, ``<out>/gpu-check_<gpu>_<YYYY-MM-DD>.json`` (default ``bench/results/gpu/``, e.g.
+``gpu-check_h200_2026-12-01.json``; the prefix keeps it from overwriting the calibration data committed beside it
+under ``<gpu>_<date>.json``), for a developer to commit: the machine, every step's command, pass/fail,
 return code, duration and output tail, and the calibration rows under the shared file's field names
 (``gemm``, ``attention``, ``adamw``, ``gpt``, ``device``, ``torch``, ``peak_bf16_dense``). It is designed to
 take under five minutes. Exit status 1 when a step failed.
@@ -218,7 +219,7 @@ def run_check(out_dir: str | Path, *, dry_run: bool = False, root: Path | None =
         del s["argv"]
     record["passed"] = all(s.ok is not False for s in steps)
     name = "dry-run" if dry_run else gpu_slug(record["device"])
-    path = Path(out_dir) / f"{name}_{record['date']}.json"
+    path = Path(out_dir) / f"gpu-check_{name}_{record['date']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path, record
