@@ -80,7 +80,7 @@ def test_the_allocator_sees_the_units_freed_and_stage_3_peaks_lowest() -> None:
     states included, is lowest at stage 3, by the allocator and by lslm's count alike."""
     model = {**MODEL, "vocab_size": 256, "n_layer": 12, "n_embd": 96}
     for r in run_workers("lslm.demos.zero_demo:whole_picture", 2, timeout=240, model=model, rows=1,
-                         bucket_cap_mb=0.5):
+                         bucket_cap_mb=0.5, entries=("zero2", "zero3", "zero3-keep")):
         z2, z3, keep = (r["entries"][k] for k in ("zero2", "zero3", "zero3-keep"))
         root = len(z3["buckets"]) - 1
         unit_bytes = [4 * n for n in z3["buckets"][:root]]

@@ -8,7 +8,8 @@ and FSDP2's ``fully_shard`` (per block, then the root: the same units as lslm's 
 rank returns, per entry: the losses, the model-state bytes it holds after a step by owner, the
 bytes its lslm collectives moved in one step (from the ledger), offload bytes, stage 3's
 ``max_buckets_gathered``, and for stage 3 one step's gathers and reduce-scatters with issue and
-completion times (``ledger.timed()``). Rank 0 adds how far every entry's parameters are from
+completion times (``ledger.timed()``) beside each block's forward and backward span on the same clock (module and
+tensor hooks, :class:`BlockSpans`). Rank 0 adds how far every entry's parameters are from
 DDP's and stage 3's from FSDP2's.
 
 :func:`fake_world` and :func:`state_bytes_at_scale` count the same bytes for one rank of 8, 16
@@ -31,7 +32,8 @@ from lslm.metrics.held import held_by_owner
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.runtime.fake_world import fake_world
 
-__all__ = ["ENTRIES", "MODEL", "PICTURE_ENTRIES", "fake_world", "state_bytes_at_scale", "suite", "whole_picture"]
+__all__ = ["ENTRIES", "MODEL", "PICTURE_ENTRIES", "BlockSpans", "fake_world", "state_bytes_at_scale", "suite",
+           "whole_picture"]
 
 #: The course's GPT (the serial recipe's 1024-token vocabulary, 64-token blocks) with 4 blocks instead of 2, so that
 #: stage 3 has more units than it keeps gathered at once, and width 60 instead of 64, so that parameter sizes are
@@ -93,6 +95,65 @@ def _build(kind: str, serial: GPT, ctx: Any) -> tuple[nn.Module, Any, Any]:
     return net, opt, torch_step
 
 
+class BlockSpans:
+    """Each block's forward and backward span (seconds since ``t0``, :func:`time.perf_counter`'s clock, the ledger's),
+    recorded by hooks while ``on``, around a ZeRO-3 wrapper's own hooks so that the spans are compute: a forward span
+    starts after the block's gather was waited for and ends before the block is freed; a backward span starts at the
+    gradient of the block's output once its re-gather was waited for, and ends at the gradient of its input, before
+    the wait for the previous block's gather. Register after the wrapper."""
+
+    def __init__(self, blocks: nn.ModuleList) -> None:
+        self.t0 = 0.0
+        self.on = False
+        self.spans: list[dict[str, Any]] = []
+        self.handles = []
+        n = len(blocks)
+        for i, block in enumerate(blocks):
+            self.handles.append(block.register_forward_pre_hook(self._pre(i)))
+            # before the wrapper's post-forward hook: the next block's backward ends before this block's re-gather
+            self.handles.append(block.register_forward_hook(self._post(i, n), prepend=True))
+            # after it: this block's backward begins after its re-gather
+            self.handles.append(block.register_forward_hook(self._arm_backward(i)))
+
+    def _now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _begin(self, i: int, phase: str) -> None:
+        self.spans.append({"block": i, "phase": phase, "start_s": self._now(), "end_s": None})
+
+    def _end(self, i: int, phase: str) -> None:
+        span = next(s for s in reversed(self.spans) if s["block"] == i and s["phase"] == phase)
+        span["end_s"] = self._now()
+
+    def _pre(self, i: int) -> Any:
+        def hook(_m: nn.Module, args: tuple[Any, ...]) -> None:
+            if self.on:
+                self._begin(i, "forward")
+                x = args[0]
+                if i == 0 and isinstance(x, torch.Tensor) and x.requires_grad:
+                    x.register_hook(lambda _g: self._end(0, "backward"))
+        return hook
+
+    def _post(self, i: int, n: int) -> Any:
+        def hook(_m: nn.Module, _args: Any, out: Any) -> None:
+            if self.on:
+                self._end(i, "forward")
+                if i + 1 < n and isinstance(out, torch.Tensor) and out.requires_grad:
+                    out.register_hook(lambda _g: self._end(i + 1, "backward"))  # the next block's input
+        return hook
+
+    def _arm_backward(self, i: int) -> Any:
+        def hook(_m: nn.Module, _args: Any, out: Any) -> None:
+            if self.on and isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda _g: self._begin(i, "backward"))
+        return hook
+
+    def remove(self) -> None:
+        """Remove the module hooks."""
+        for h in self.handles:
+            h.remove()
+
+
 def _full_params(net: nn.Module, opt: Any) -> dict[str, torch.Tensor]:
     """Every parameter whole (stage 3 gathers them: collective; FSDP2's DTensors: full_tensor, collective)."""
     from lslm.zero import ZeroOptimizer
@@ -131,14 +192,19 @@ def suite(entries: list[str] | None = None, steps: int = STEPS, rows: int = ROWS
         full: dict[str, dict[str, torch.Tensor]] = {}
         for kind in entries:
             net, opt, step = _build(kind, serial, ctx)
+            spans = BlockSpans(net.blocks) if kind == "zero3" else None
             losses = []
             for i, batch in enumerate(data):
                 since = len(ledger.records)
                 timed = kind == "zero3" and i == len(data) - 1
                 with ledger.timed(timed):
                     t0 = time.perf_counter()  # the ledger's clock
+                    if spans is not None:
+                        spans.t0, spans.on = t0, timed
                     losses.append(float(step(batch[:, :-1], batch[:, 1:])))
                 recs = ledger.snapshot()[since:]
+            if spans is not None:
+                spans.remove()
             row: dict[str, Any] = {"losses": losses, "bytes": held_by_owner(net, opt)}
             if kind.startswith("zero"):
                 row.update(rs_bytes=sum(r.nbytes for r in recs if r.label == REDUCE_SCATTER_LABEL),
@@ -155,6 +221,7 @@ def suite(entries: list[str] | None = None, steps: int = STEPS, rows: int = ROWS
                     row["timeline"] = [{"op": r.op, "label": r.label, "nbytes": r.nbytes, "issue_s": r.issue_s - t0,
                                         "done_s": (r.completion_s - t0) if r.completion_s is not None else None}
                                        for r in recs if r.label in (REDUCE_SCATTER_LABEL, GATHER_LABEL)]
+                    row["compute"] = spans.spans if spans is not None else []
             full[kind] = _full_params(net, opt)
             out["entries"][kind] = row
             ledger.reset()
@@ -168,8 +235,15 @@ def suite(entries: list[str] | None = None, steps: int = STEPS, rows: int = ROWS
     return out
 
 
-#: The whole-picture entries: stage 2, stage 3 freeing each block after its forward, stage 3 keeping it gathered.
-PICTURE_ENTRIES = ("zero2", "zero3", "zero3-keep")
+#: The whole-picture entries: stage 2, stage 3 freeing each block after its forward, stage 3 keeping it gathered,
+#: and stage 3 with the token embedding and the head as units of their own (torchtitan's choice), the root then only
+#: the position embedding and the final LayerNorm.
+PICTURE_ENTRIES = ("zero2", "zero3", "zero3-keep", "zero3-units")
+
+
+def _picture_units(kind: str, net: GPT) -> list[nn.Module] | None:
+    """Stage 3's units of a whole-picture entry (``None``: the default, the blocks)."""
+    return [net.wte, *net.blocks, net.lm_head] if kind == "zero3-units" else None
 
 
 class _MallocSampler:
@@ -200,8 +274,10 @@ class _MallocSampler:
             h.remove()
 
 
-def whole_picture(rows: int = ROWS, bucket_cap_mb: float = 0.1, model: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Everything one training step holds on this rank, not only the model states, for :data:`PICTURE_ENTRIES`.
+def whole_picture(rows: int = ROWS, bucket_cap_mb: float = 0.1, model: dict[str, Any] | None = None,
+                  entries: tuple[str, ...] = PICTURE_ENTRIES) -> dict[str, Any]:
+    """Everything one training step holds on this rank, not only the model states, for ``entries`` (a subset of
+    :data:`PICTURE_ENTRIES`).
 
     Per entry, measured on its second step (Adam's states exist): the model states held after it
     (:func:`~lslm.metrics.held.held_by_owner`), the most bytes of gathered or prefetching parameter
@@ -216,8 +292,9 @@ def whole_picture(rows: int = ROWS, bucket_cap_mb: float = 0.1, model: dict[str,
     nothing registered and so also sees a storage that only a tensor autograd saved keeps alive), ``None`` off glibc:
     ``forward_malloc`` (the bytes the forward added: activations, and the units still held after it), ``peak_malloc``
     (the sampled peak of the step over what it found) and ``total_malloc`` (that peak over what the process held before
-    this entry's model and optimizer were built: states, step and all). Stage 3 also reports
-    ``unit_bytes_after_forward``, the bytes the unit buffers' storages (the root's aside) hold right after the forward.
+    this entry's model and optimizer were built: states, step and all). Every entry reports its ``losses`` (the same
+    training whatever the units). Stage 3 also reports ``unit_bytes_after_forward``, the bytes the unit buffers'
+    storages (the root's aside) hold right after the forward.
     """
     import gc
 
@@ -246,13 +323,16 @@ def whole_picture(rows: int = ROWS, bucket_cap_mb: float = 0.1, model: dict[str,
         zero.backward(net(data[0][:, :-1], data[0][:, 1:])[1])
         zero.step()
         del net, zero
-        for kind in PICTURE_ENTRIES:
+        if not set(entries) <= set(PICTURE_ENTRIES):
+            raise ValueError(f"entries must be among {PICTURE_ENTRIES}, got {entries!r}")
+        for kind in entries:
             gc.collect()
             before_build = malloc_in_use_bytes()
             net = copy.deepcopy(serial).to(ctx.device)
             zero = ZeroOptimizer(net, _adamw(net), ctx, stage=int(kind[4]), bucket_cap_mb=bucket_cap_mb,
-                                 reshard_after_forward="keep" not in kind)
+                                 reshard_after_forward="keep" not in kind, units=_picture_units(kind, net))
             sampler = _MallocSampler(net)
+            losses = []
             for i, batch in enumerate(data):
                 if i == 1:  # measure the second step: Adam's states exist, nothing is allocated for the first time
                     zero.peak_gathered_bytes = zero.peak_staging_bytes = 0
@@ -266,12 +346,13 @@ def whole_picture(rows: int = ROWS, bucket_cap_mb: float = 0.1, model: dict[str,
                     unit_bytes = zero.gather.storage_bytes(units_only=True) if zero.gather is not None else 0
                     zero.backward(loss)
                     zero.step()
+                losses.append(float(loss))
                 del loss
                 sampler.sample()
             sampler.remove()
             out["entries"][kind] = {"held": held_by_owner(net, zero), "gathered": zero.peak_gathered_bytes,
                                     "staging": zero.peak_staging_bytes, "step_peak": int(live.peak[ctx.device.type]),
-                                    "buckets": [z - a for a, z, _, _ in zero.buckets],
+                                    "buckets": [z - a for a, z, _, _ in zero.buckets], "losses": losses,
                                     "unit_bytes_after_forward": unit_bytes,
                                     "forward_malloc": after_forward - start if measured else None,
                                     "peak_malloc": sampler.peak - start if measured else None,

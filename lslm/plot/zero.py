@@ -40,20 +40,39 @@ def plot_state_bytes(bars: Sequence[tuple[str, Mapping[str, int]]], *, theory: M
     return fig
 
 
-def plot_timeline(records: Sequence[Mapping[str, Any]], *, title: str) -> plt.Figure:
-    """One row per collective kind, a bar from issue to completion per call (ms), its size written on it (KiB)."""
+def plot_timeline(records: Sequence[Mapping[str, Any]], *, title: str,
+                  compute: Sequence[Mapping[str, Any]] | None = None) -> plt.Figure:
+    """One row per collective kind, a bar from issue to completion per call (ms), its size written on it (KiB).
+
+    ``compute``: spans ``{"block", "phase" ("forward" or "backward"), "start_s", "end_s"}`` on the same clock
+    (:class:`lslm.demos.zero_demo.BlockSpans`), drawn in a row of their own above the collectives, each labelled
+    with its block (F0 is block 0's forward, B0 its backward): what overlaps what is read down a column."""
     lanes = {"all_gather": 1, "reduce_scatter": 0}
     names = {"all_gather": "all-gather (parameters)", "reduce_scatter": "reduce-scatter (gradients)"}
     colors = {"all_gather": "#8ecae6", "reduce_scatter": "#ffb703"}
-    fig, ax = plt.subplots(figsize=(11, 2.8), dpi=80)
+    top = 2 if compute else 1
+    fig, ax = plt.subplots(figsize=(11, 2.8 + 0.8 * (top - 1)), dpi=80)
     for r in records:
         lane = lanes[r["op"]]
         start, end = r["issue_s"] * 1e3, r["done_s"] * 1e3
         ax.broken_barh([(start, max(end - start, 0.02))], (lane + 0.15, 0.7), facecolors=colors[r["op"]],
                        edgecolors="black", lw=0.5)
         ax.text(start, lane + 0.9, f"{r['nbytes'] / 1024:.0f}", fontsize=6.5, va="bottom")
-    ax.set_yticks([v + 0.5 for v in lanes.values()], [names[k] for k in lanes], fontsize=8)
-    ax.set_ylim(0, 2.3)
+    ticks, labels = [v + 0.5 for v in lanes.values()], [names[k] for k in lanes]
+    if compute:
+        shades = {"forward": "#adb5bd", "backward": "#6c757d"}
+        for s in compute:
+            if s["end_s"] is None:
+                continue
+            start, end = s["start_s"] * 1e3, s["end_s"] * 1e3
+            ax.broken_barh([(start, max(end - start, 0.02))], (top + 0.15, 0.7), facecolors=shades[s["phase"]],
+                           edgecolors="black", lw=0.5)
+            ax.text((start + end) / 2, top + 0.5, f"{s['phase'][0].upper()}{s['block']}", fontsize=7, ha="center",
+                    va="center", color="white" if s["phase"] == "backward" else "black")
+        ticks.append(top + 0.5)
+        labels.append("compute: block forward (F) / backward (B)")
+    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.set_ylim(0, top + 1.3)
     ax.set_xlabel("time since the step began (ms); numbers: KiB per call (the full unit)")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
