@@ -224,6 +224,8 @@ def test_apply_refuses_what_it_cannot_split() -> None:
                                      device=torch.device("cpu"), backend="fake")
         with pytest.raises(ValueError, match="n_head = 6 is not divisible by cp = 4"):
             apply_context_parallel(GPT(GPTConfig.tiny(n_head=6, n_embd=48)), ctx, CPPlan("ulysses"))
+        with pytest.raises(ValueError, match="kv_heads = 2 is not divisible by cp = 4"):  # GQA: 2 KV heads of 8
+            apply_context_parallel(GPT(GPTConfig.tiny(n_head=8, n_kv_head=2)), ctx, CPPlan("ulysses"))
         with pytest.raises(ValueError, match="dropout"):
             apply_context_parallel(GPT(GPTConfig.tiny(dropout=0.1)), ctx)
         model = apply_context_parallel(GPT(GPTConfig.tiny()), ctx)
@@ -255,6 +257,17 @@ def test_context_parallel_equals_full_attention_and_the_serial_gpt(nproc: int, b
         for run in runs:
             assert run["same_keys"] and run["loss_diff"] <= TOL and run["param_diff"] <= TOL, run
             assert run["losses"][-1] < run["losses"][0]  # it trained
+
+
+@pytest.mark.parametrize("nproc,backend", nproc_backends(2, 4))
+def test_grouped_query_gpt_trains_like_the_serial_one(nproc: int, backend: str) -> None:
+    """GPTConfig(n_head=8, n_kv_head=2 / cp): ring and Ulysses, first-step gradients and two steps' parameters."""
+    for r in _suite(nproc, backend):
+        assert [(run["method"], run["n_head"], run["n_kv_head"]) for run in r["gqa_training"]] == [
+            ("ring", 8, 2), ("ulysses", 8, nproc)]
+        for run in r["gqa_training"]:
+            assert run["same_keys"] and run["cp"] == nproc, run
+            assert run["grad_diff"] <= TOL and run["loss_diff"] <= TOL and run["param_diff"] <= TOL, run
 
 
 @pytest.mark.parametrize("nproc,backend", nproc_backends(2, 4))

@@ -96,9 +96,12 @@ def token_batch(cfg: GPTConfig, batch: int, seq_len: int, device: torch.device) 
     return idx.to(device), targets.to(device)
 
 
-def training_row(ctx: ParallelContext, plan: CPPlan, steps: int = 3, seq_len: int = 32) -> dict[str, Any]:
-    """The GPT trained ``steps`` SGD steps under ``dp × cp`` vs serially on the whole batch."""
-    cfg = GPTConfig.tiny(block_size=seq_len)
+def training_row(ctx: ParallelContext, plan: CPPlan, steps: int = 3, seq_len: int = 32,
+                 **overrides: Any) -> dict[str, Any]:
+    """The GPT trained ``steps`` SGD steps under ``dp × cp`` vs serially on the whole batch; ``overrides``: of
+    :meth:`GPTConfig.tiny` (e.g. ``n_head=8, n_kv_head=2``, grouped-query attention). ``grad_diff``: the first
+    step's gradients (after the dp × cp sum) against the serial ones."""
+    cfg = GPTConfig.tiny(block_size=seq_len, **overrides)
     idx, targets = token_batch(cfg, 2 * ctx.dp_size, seq_len, ctx.device)
     torch.manual_seed(0)
     serial = GPT(cfg).to(ctx.device)
@@ -106,8 +109,8 @@ def training_row(ctx: ParallelContext, plan: CPPlan, steps: int = 3, seq_len: in
     opt_s, opt = torch.optim.SGD(serial.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)
     rows = slice(2 * ctx.dp_rank, 2 * ctx.dp_rank + 2)
     idx_l, tgt_l = shard_batch(ctx, plan.layout, idx[rows], targets[rows])
-    losses, serial_losses = [], []
-    for _ in range(steps):
+    losses, serial_losses, grad_diff = [], [], 0.0
+    for step in range(steps):
         opt_s.zero_grad()
         _, loss = serial(idx, targets)
         loss.backward()
@@ -118,11 +121,14 @@ def training_row(ctx: ParallelContext, plan: CPPlan, steps: int = 3, seq_len: in
         loss, reported = context_parallel_loss(logits, tgt_l, ctx)
         loss.backward()
         reduce_context_parallel_grads(model, ctx)
+        if step == 0:
+            grad_diff = max(_maxdiff(p.grad, q.grad) for p, q in zip(serial.parameters(), model.parameters()))
         opt.step()
         losses.append(reported.item())
     ps, pm = serial.state_dict(), model.state_dict()
     return {"method": plan.method, "layout": plan.layout, "dp": ctx.dp_size, "cp": ctx.cp_size,
-            "losses": losses, "serial_losses": serial_losses, "same_keys": list(ps) == list(pm),
+            "n_head": cfg.n_head, "n_kv_head": cfg.kv_heads, "grad_diff": grad_diff, "losses": losses,
+            "serial_losses": serial_losses, "same_keys": list(ps) == list(pm),
             "loss_diff": max(abs(a - b) for a, b in zip(losses, serial_losses)),
             "param_diff": max(_maxdiff(ps[name], pm[name]) for name in ps)}
 
