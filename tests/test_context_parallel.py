@@ -239,10 +239,7 @@ def test_apply_refuses_what_it_cannot_split() -> None:
 # -- across ranks --------------------------------------------------------------------------------
 @functools.cache
 def _suite(nproc: int, backend: str) -> tuple[dict, ...]:
-    # one glibc malloc arena in the workers: the allocator readings of activation_malloc need it (its docstring)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MALLOC_ARENA_MAX", "1")
-        return tuple(run_workers("tests.context_parallel_workers:suite", nproc, backend=backend, timeout=300))
+    return tuple(run_workers("tests.context_parallel_workers:suite", nproc, backend=backend, timeout=300))
 
 
 @pytest.mark.parametrize("nproc,backend", nproc_backends(2, 4))
@@ -335,7 +332,7 @@ def test_activation_bytes_per_rank_fall_as_one_over_cp(nproc: int, backend: str)
 def test_allocator_activation_peak_per_rank_falls_as_one_over_cp(nproc: int, backend: str) -> None:
     """glibc's allocator (mallinfo2) around one forward of the GPT (2 x 256 tokens): bytes held at the backward's
     start, x cp, within 10 % of cp = 1's; nothing registered, so what the count misses (the logits) is in it too.
-    The median of three forwards, one malloc arena per worker (activation_malloc's docstring)."""
+    The largest of four forwards' readings (activation_malloc's docstring)."""
     for r in _suite(nproc, backend):
         for method in CORES:
             one, mine = r["malloc"]["1"][method], r["malloc"][str(nproc)][method]

@@ -66,6 +66,14 @@ def test_ring_blocks_count_the_dkv_accumulators_in_fp32(precision: str, e: int) 
     assert buffers["context-parallel ring blocks"].value == 2 * 2 * t["unit_kv"] + 3 * 2 * t["unit_kv"] * 4 // e
 
 
+def test_a_grouped_query_gpt_config_is_refused_not_miscounted() -> None:
+    from lslm.models.gpt import GPTConfig
+
+    assert ModelSpec.from_gpt_config(GPTConfig.tiny(n_kv_head=4)).kv_heads == 4  # = n_head: the multi-head GPT
+    with pytest.raises(ValueError, match="n_kv_head = 2"):
+        ModelSpec.from_gpt_config(GPTConfig.tiny(n_kv_head=2))
+
+
 def test_ring_verdict_turns_compute_bound_as_tokens_per_rank_grow() -> None:
     llama = dataclasses.replace(model_presets()["llama3-8b"], global_batch=1)
     ratios, bandwidth_ratios = [], []
