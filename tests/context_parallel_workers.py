@@ -27,7 +27,15 @@ from lslm.context_parallel import (
     ulysses_attention,
 )
 from lslm.context_parallel.apply import ContextParallelAttention
-from lslm.demos.cp_attention import CORES, PLANS, activation_bytes, attention_rows, token_batch, training_row
+from lslm.demos.cp_attention import (
+    CORES,
+    PLANS,
+    activation_bytes,
+    activation_malloc,
+    attention_rows,
+    token_batch,
+    training_row,
+)
 from lslm.models.gpt import GPT, Block, GPTConfig
 from lslm.runtime import init_distributed
 from lslm.runtime.context import ParallelContext
@@ -217,6 +225,11 @@ def suite() -> dict[str, Any]:
         out["gpt_step_bytes"] = {m: gpt_step_bytes(ctx, m) for m in CORES}
         one = ctx.with_grid(cp=1)
         out["activations_cp1"] = {m: activation_bytes(one, CPPlan(m, "zigzag"), seq_len=32) for m in CORES}
+        out["malloc"] = {str(c): {m: activation_malloc(g, CPPlan(m, "zigzag")) for m in CORES}
+                         for c, g in ((1, one), (ctx.cp_size, ctx))}
+        # grouped-query attention in the GPT: 8 query heads over 2 key/value heads (ring), over cp (Ulysses)
+        out["gqa_training"] = [training_row(ctx, CPPlan(m, "zigzag"), steps=2, n_head=8, n_kv_head=kv)
+                               for m, kv in (("ring", 2), ("ulysses", ctx.cp_size))]
         if ctx.world_size == 4:
             two = ctx.with_grid(dp=2, cp=2)
             out["training"] += [training_row(two, CPPlan(m, lay)) for m, lay in (("ring", "zigzag"),

@@ -103,11 +103,44 @@ def test_tie_weights_and_parameter_count() -> None:
 @pytest.mark.parametrize(
     "overrides",
     [dict(n_embd=65), dict(n_head=0), dict(n_layer=0), dict(vocab_size=-1), dict(block_size=0),
-     dict(dropout=1.0), dict(dropout=-0.1), dict(n_embd=64.0)],
+     dict(dropout=1.0), dict(dropout=-0.1), dict(n_embd=64.0), dict(n_kv_head=3), dict(n_kv_head=0),
+     dict(n_kv_head=True), dict(n_kv_head=8)],
 )
 def test_config_validation(overrides: dict) -> None:
     with pytest.raises(ValueError):
         GPTConfig.tiny(**overrides)
+
+
+def test_grouped_query_attention_is_multi_head_attention_on_repeated_kv_heads() -> None:
+    """n_kv_head = 2 of 4 heads: the same logits and gradients as the multi-head GPT whose c_attn rows repeat each
+    key/value head for its 2 query heads; n_kv_head = n_head is the default model, names, shapes and values."""
+    torch.manual_seed(0)
+    gqa = GPT(GPTConfig.tiny(n_kv_head=2))
+    mha = _tiny(seed=0)
+    assert [(n, p.shape) for n, p in _tiny(seed=0, n_kv_head=4).named_parameters()] == [
+        (n, p.shape) for n, p in mha.named_parameters()]
+    assert all(torch.equal(p, q) for p, q in zip(_tiny(seed=0, n_kv_head=4).parameters(), mha.parameters()))
+    assert gqa.blocks[0].attn.c_attn.weight.shape == (64 + 2 * 2 * 16, 64)
+    with torch.no_grad():
+        for name, p in gqa.named_parameters():
+            if "c_attn" in name:  # [q | k | v], k and v 2 heads of 16 rows: repeat each head's rows twice
+                q, k, v = p.split([64, 32, 32])
+                rep = [t.unflatten(0, (2, 16)).repeat_interleave(2, 0).flatten(0, 1) for t in (k, v)]
+                mha.get_parameter(name).copy_(torch.cat([q, *rep]))
+            else:
+                mha.get_parameter(name).copy_(p)
+    idx = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(1))
+    (lg, loss_g), (lm, loss_m) = gqa(idx, idx), mha(idx, idx)
+    torch.testing.assert_close(lg, lm, rtol=0, atol=1e-5)
+    loss_g.backward()
+    loss_m.backward()
+    w = mha.blocks[1].attn.c_attn.weight.grad
+    k_sum = w[64:].unflatten(0, (2, 2, 2, 16)).sum(2).flatten(0, 2)  # the repeated heads' gradients, summed
+    torch.testing.assert_close(gqa.blocks[1].attn.c_attn.weight.grad, torch.cat([w[:64], k_sum]), rtol=0, atol=1e-6)
+    from lslm.tensor_parallel.apply import gpt_plan
+
+    with pytest.raises(ValueError, match="grouped-query"):  # tensor parallelism shards c_attn as multi-head
+        gpt_plan(gqa)
 
 
 def test_sequence_too_long() -> None:

@@ -58,6 +58,22 @@ def test_cp_divides_activations_but_not_model_states_and_reduces_gradients_over_
     assert "cp (group 2)" in rows and "dp x cp (group 2)" in rows
 
 
+@pytest.mark.parametrize("precision,e", [("fp32", 4), ("bf16", 2)])
+def test_ring_blocks_count_the_dkv_accumulators_in_fp32(precision: str, e: int) -> None:
+    """K/V in hand and arriving at the inputs' e bytes, the dK/dV accumulators (filled, sent, received) at 4."""
+    t = cp_traffic(GPT.micro_batch, GPT.n_head, GPT.seq_len, GPT.head_dim, 4, element_size=e)
+    buffers = estimate(GPT, Layout(cp=4, precision=precision), H100).memory.buffers
+    assert buffers["context-parallel ring blocks"].value == 2 * 2 * t["unit_kv"] + 3 * 2 * t["unit_kv"] * 4 // e
+
+
+def test_a_grouped_query_gpt_config_is_refused_not_miscounted() -> None:
+    from lslm.models.gpt import GPTConfig
+
+    assert ModelSpec.from_gpt_config(GPTConfig.tiny(n_kv_head=4)).kv_heads == 4  # = n_head: the multi-head GPT
+    with pytest.raises(ValueError, match="n_kv_head = 2"):
+        ModelSpec.from_gpt_config(GPTConfig.tiny(n_kv_head=2))
+
+
 def test_ring_verdict_turns_compute_bound_as_tokens_per_rank_grow() -> None:
     llama = dataclasses.replace(model_presets()["llama3-8b"], global_batch=1)
     ratios, bandwidth_ratios = [], []

@@ -55,7 +55,7 @@ from lslm.context_parallel.layout import LAYOUTS, check_sequence, local_position
 from lslm.context_parallel.ring import ring_attention
 from lslm.context_parallel.ulysses import check_heads, ulysses_attention
 from lslm.data_parallel.grad_sync import reduce_buffers, split_by_holder
-from lslm.models.gpt import GPT, CausalSelfAttention
+from lslm.models.gpt import GPT, CausalSelfAttention, split_qkv
 from lslm.runtime.context import ParallelContext
 from lslm.tensor_parallel.cross_entropy import vocab_parallel_token_losses
 from lslm.tensor_parallel.grads import sync_tensor_parallel_grads
@@ -96,26 +96,26 @@ class CPInfo:
 
 
 def check_context_parallel(seq_len: int, cp: int, n_head: int, plan: CPPlan, *, tp: int = 1,
-                           sequence_parallel: bool = False) -> None:
+                           sequence_parallel: bool = False, kv_heads: int | None = None) -> None:
     """Refuse, before any process starts, a sequence length or head count ``plan`` cannot split over ``cp``.
 
     With tensor parallelism (``tp``) each rank holds ``n_head / tp`` heads, which Ulysses splits
     again over ``cp``; with sequence parallelism each cp rank's ``seq_len / cp`` tokens are split
-    over ``tp``.
+    over ``tp``. ``kv_heads``: key/value heads with grouped-query attention (Ulysses splits them over ``cp`` too).
     """
     check_sequence(seq_len, cp, plan.layout)
     if n_head % tp:
         raise ValueError(f"n_head = {n_head} heads do not split over tp = {tp}; choose tp dividing {n_head}")
     if plan.method == "ulysses":
-        _check_ulysses_heads(n_head, tp, cp)
+        _check_ulysses_heads(n_head, tp, cp, kv_heads)
     if sequence_parallel and (seq_len // cp) % tp:
         raise ValueError(f"sequence parallelism splits each cp rank's {seq_len // cp} tokens (sequence {seq_len} / "
                          f"cp = {cp}) over tp = {tp}: choose a length divisible by cp·tp = {cp * tp}")
 
 
-def _check_ulysses_heads(n_head: int, tp: int, cp: int) -> None:
+def _check_ulysses_heads(n_head: int, tp: int, cp: int, kv_heads: int | None = None) -> None:
     if tp == 1:
-        check_heads(n_head, cp)
+        check_heads(n_head, cp, kv_heads)
     elif (n_head // tp) % cp:
         raise ValueError(f"Ulysses splits each tensor-parallel rank's heads over the cp ranks: n_head / tp = "
                          f"{n_head} / {tp} = {n_head // tp} is not divisible by cp = {cp}; choose tp·cp dividing "
@@ -132,7 +132,7 @@ class ContextParallelAttention(nn.Module):
 
     def __init__(self, attn: CausalSelfAttention, group: CPGroup, plan: CPPlan) -> None:
         super().__init__()
-        self.head_dim = attn.head_dim
+        self.head_dim, self.group_size = attn.head_dim, attn.group_size
         self.c_attn, self.c_proj, self.resid_dropout = attn.c_attn, attn.c_proj, attn.resid_dropout
         self.group, self.plan = group, plan
         self.sequence_first = attn.sequence_first
@@ -140,9 +140,10 @@ class ContextParallelAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T_local, C) -> (B, T_local, C)`` (``(T_local, B, C)`` sequence-first): causal attention over the
         whole (distributed) sequence."""
-        q, k, v = self.c_attn(x).chunk(3, dim=-1)  # under SP, c_attn all-gathers this cp rank's tokens over tp
+        # under SP, c_attn all-gathers this cp rank's tokens over tp
+        q, k, v = split_qkv(self.c_attn(x), self.group_size)
         if self.sequence_first:
-            T, B, width = q.shape
+            T, B, width = q.shape  # width: the query heads' (k and v have group_size times fewer with GQA)
             q, k, v = (t.view(T, B, -1, self.head_dim).permute(1, 2, 0, 3) for t in (q, k, v))
         else:
             B, T, width = q.shape
@@ -207,7 +208,7 @@ def apply_context_parallel(model: GPT, ctx: ParallelContext, plan: CPPlan | None
     if n_head % tp:
         raise ValueError(f"n_head = {n_head} heads do not split over tp = {tp}")
     if plan.method == "ulysses":
-        _check_ulysses_heads(n_head, tp, ctx.cp_size)
+        _check_ulysses_heads(n_head, tp, ctx.cp_size, model.config.kv_heads)
     group = CPGroup.of(ctx)
     for block in model.blocks:
         block.attn = ContextParallelAttention(block.attn, group, plan)

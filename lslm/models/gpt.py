@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT"]
+__all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT", "split_qkv"]
 
 
 @dataclass
@@ -32,6 +32,12 @@ class GPTConfig:
 
     ``tie_weights`` shares ``lm_head.weight`` with ``wte.weight`` (GPT-2 does); it is off
     by default because tied weights complicate sharding and partitioning lessons.
+
+    ``n_kv_head`` (``None``: ``n_head``) gives grouped-query attention (Ainslie et al. 2023) when below
+    ``n_head``: ``n_kv_head`` key/value heads, each read by ``n_head / n_kv_head`` consecutive query heads
+    (Llama's ``repeat_interleave`` convention). ``c_attn`` then projects to ``n_embd + 2 · n_kv_head · head_dim``
+    (``[q | k | v]``); with ``n_kv_head == n_head`` the model, its parameters and its ``state_dict`` are
+    exactly the multi-head GPT's.
     """
 
     vocab_size: int
@@ -42,6 +48,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_weights: bool = False
+    n_kv_head: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -54,6 +61,13 @@ class GPTConfig:
                 f"(each head gets n_embd // n_head dimensions); e.g. n_head="
                 f"{max(d for d in range(1, self.n_head + 1) if self.n_embd % d == 0)}"
             )
+        kv = self.kv_heads
+        if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or self.n_head % kv:
+            divisors = [d for d in range(1, self.n_head + 1) if self.n_head % d == 0]
+            raise ValueError(
+                f"GPTConfig.n_kv_head must be a positive int dividing n_head={self.n_head} (each key/value head "
+                f"serves n_head // n_kv_head query heads), got {kv!r}; choose one of {divisors}"
+            )
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
 
@@ -61,6 +75,11 @@ class GPTConfig:
     def head_dim(self) -> int:
         """Width of one attention head, ``n_embd // n_head``."""
         return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``n_kv_head`` (``n_head`` without grouped-query attention)."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     @classmethod
     def tiny(cls, **overrides: Any) -> GPTConfig:
@@ -86,7 +105,8 @@ class CausalSelfAttention(nn.Module):
 
     The number of heads and the sequence length are read from ``c_attn``'s output at run
     time, so the same code runs on a tensor-parallel rank that holds only some of the heads
-    (and, with sequence parallelism, receives only a slice of the sequence).
+    (and, with sequence parallelism, receives only a slice of the sequence). With grouped-query
+    attention (``n_kv_head < n_head``) k and v have ``n_head / n_kv_head`` times fewer heads than q.
     """
 
     #: The layout of ``x``: ``(B, T, C)``, or ``(T, B, C)`` when True (set through :attr:`GPT.sequence_first`).
@@ -96,14 +116,16 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self.dropout = config.dropout
-        # Output layout [q | k | v], each n_embd wide (heads contiguous inside each).
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        #: Query heads per key/value head (1: multi-head attention).
+        self.group_size = config.n_head // config.kv_heads
+        # Output layout [q | k | v]: n_embd, then n_kv_head·head_dim twice (heads contiguous inside each).
+        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * config.kv_heads * config.head_dim, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, C) -> (B, T, C)`` (``(T, B, C)`` sequence-first); position ``t`` attends to positions ``<= t``."""
-        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        q, k, v = split_qkv(self.c_attn(x), self.group_size)
         # Shapes come from the projection's output, not from x: under sequence parallelism
         # x holds a slice of the sequence and c_attn returns the whole of it.
         if self.sequence_first:
@@ -111,11 +133,11 @@ class CausalSelfAttention(nn.Module):
         else:
             B, T, width = q.shape
         n_head = width // self.head_dim  # local heads (all of them without TP)
-        # (B, T, h*d) or (T, B, h*d) -> (B, h, T, d), views: attention runs per head.
+        # (B, T, h*d) or (T, B, h*d) -> (B, h, T, d), views: attention runs per head (h_kv heads for k, v).
         if self.sequence_first:
-            q, k, v = (t.view(T, B, n_head, self.head_dim).permute(1, 2, 0, 3) for t in (q, k, v))
+            q, k, v = (t.view(T, B, -1, self.head_dim).permute(1, 2, 0, 3) for t in (q, k, v))
         else:
-            q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = self.core_attention(q, k, v)
         # (B, h, T, d) -> (B, T, h*d) or (T, B, h*d). A view after the fused CPU kernel, which writes its
         # output in the query's memory order; a copy after the math path (dropout), in either layout.
@@ -132,7 +154,19 @@ class CausalSelfAttention(nn.Module):
         Korthikanti et al. 2022 §5: :func:`lslm.tensor_parallel.recompute.apply_recompute`).
         """
         return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                              is_causal=True)
+                                              is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def split_qkv(qkv: torch.Tensor, group_size: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``c_attn``'s output ``[q | k | v]`` (last dimension) -> q, k, v (views); ``group_size``: query heads per
+    key/value head, so q is ``group_size`` times as wide as k and v (1: three equal thirds)."""
+    width = qkv.shape[-1]
+    if width % (group_size + 2):
+        raise ValueError(f"c_attn's output width {width} does not split as [q | k | v] with q {group_size}x as wide "
+                         "as k and v")
+    kv = width // (group_size + 2)
+    q, k, v = qkv.split([group_size * kv, kv, kv], dim=-1)
+    return q, k, v
 
 
 class MLP(nn.Module):

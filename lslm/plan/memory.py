@@ -12,10 +12,11 @@ full activations exist again during its backward (the "recompute working set"). 
 ZeRO-2's staging buckets for the reduce-scatter (2 in flight, lslm's ``max_inflight``), ZeRO-3's gathered
 units (this one and the prefetched next, in the parameters' dtype, plus a staging bucket of gradients), the
 pipeline's receive buffers (one activation and one gradient), context parallelism's blocks in flight (the ring's
-backward, lslm's :mod:`lslm.context_parallel.ring`: the key/value block in hand and the one arriving, the dK/dV
-accumulator being filled, the one sent and the one received, five blocks of ``2 u_kv``; Ulysses: the all-to-all's
-send and receive buffers of q, k, v, ``2 (u_q + 2 u_kv)``), for one layer at a time, not divided further by
-``cp``. Transient all-gather outputs of sequence parallelism are one layer's input and are not counted.
+backward, lslm's :mod:`lslm.context_parallel.ring`: the key/value block in hand and the one arriving, two blocks
+of ``2 u_kv``, and the dK/dV accumulator being filled, the one sent and the one received, three blocks of
+``2 u_kv`` counted in fp32, ``4 / e`` times the inputs' ``e`` bytes an element, as the ring accumulates); Ulysses:
+the all-to-all's send and receive buffers of q, k, v, ``2 (u_q + 2 u_kv)``), for one layer at a time, not divided
+further by ``cp``. Transient all-gather outputs of sequence parallelism are one layer's input and are not counted.
 
 Under ``torch.autocast`` (``Layout.mixed == "autocast"``) the activations are :mod:`lslm.plan.autocast`'s count
 (the fp32 residual stream, the weights' half copies, the loss's fp32 temporaries, at the stage's peak moment), and
@@ -34,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lslm.plan.activations import (
+    cp_element_size,
     cp_units,
     embedding_mask_bytes,
     in_flight_layers,
@@ -225,10 +227,11 @@ def stage_memory(model: ModelSpec, layout: Layout, m: int, stage: int, *, dp_ran
     if layout.cp > 1:
         uq, ukv = cp_units(model, layout)
         if layout.cp_method == "ring":
+            acc = 4 / cp_element_size(layout)  # the dK/dV accumulators are fp32 whatever the inputs' dtype
             buffers["context-parallel ring blocks"] = Term(
-                "context-parallel ring blocks", 5 * 2 * ukv, "B",
-                "5 x 2u_kv: K/V in hand and arriving, dK/dV filled, sent and received (one layer's backward)",
-                "lslm.context_parallel.ring")
+                "context-parallel ring blocks", 2 * 2 * ukv + 3 * 2 * ukv * acc, "B",
+                "2 x 2u_kv (K/V in hand and arriving) + 3 x 2u_kv x 4/e (dK/dV filled, sent and received, in fp32; "
+                "one layer's backward)", "lslm.context_parallel.ring")
         else:
             buffers["Ulysses all-to-all buffers"] = Term(
                 "Ulysses all-to-all buffers", 2 * (uq + 2 * ukv), "B",

@@ -105,7 +105,14 @@ class ModelSpec:
         """The spec of lslm's :class:`~lslm.models.gpt.GPT` built from ``config`` (a ``GPTConfig``).
 
         ``seq_len`` defaults to the config's ``block_size``; dropout masks count when ``config.dropout > 0``.
+        A GPT with grouped-query attention (``n_kv_head < n_head``) is refused: the ``gpt`` architecture's counts
+        are multi-head attention's.
         """
+        kv = getattr(config, "kv_heads", config.n_head)
+        if kv != config.n_head:
+            raise ValueError(f"the calculator counts lslm's GPT with multi-head attention; this config has n_kv_head = "
+                             f"{kv} < n_head = {config.n_head}: build the spec by hand (ModelSpec(..., n_kv_head=...)) "
+                             "knowing that the 'gpt' architecture's c_attn and activation counts assume 3 x n_embd")
         return cls(n_layer=config.n_layer, hidden=config.n_embd, n_head=config.n_head, vocab=config.vocab_size,
                    seq_len=seq_len or config.block_size, micro_batch=micro_batch,
                    global_batch=global_batch or micro_batch, tied=config.tie_weights, arch="gpt",

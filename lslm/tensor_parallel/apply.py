@@ -90,6 +90,10 @@ def _gpt_sequence_parallel(model: nn.Module, pctx: ParallelContext, opts: TPOpti
 def gpt_plan(model: nn.Module) -> TPPlan:
     """The plan for :class:`lslm.models.GPT`: Megatron's layout (attention by heads, MLP column then row)."""
     cfg = model.config
+    if cfg.kv_heads != cfg.n_head:
+        raise ValueError(f"tensor parallelism of lslm's GPT shards c_attn as multi-head attention; this GPT has "
+                         f"n_kv_head = {cfg.kv_heads} < n_head = {cfg.n_head} (grouped-query attention): build it "
+                         "with n_kv_head = n_head")
     return TPPlan(
         styles={"wte": VocabEmbedding(), "blocks.*.attn.c_attn": Colwise(qkv_heads=cfg.n_head),
                 "blocks.*.attn.c_proj": Rowwise(), "blocks.*.mlp.c_fc": Colwise(), "blocks.*.mlp.c_proj": Rowwise(),
