@@ -1,7 +1,7 @@
 """Profiler traces (lslm.metrics.trace), the overlap analysis over them (lslm.metrics.overlap) and their plot.
 
 * a hand-written Chrome trace with known overlap gives the known numbers (no processes);
-* the ledger's calls become named ranges, an asynchronous call's ``wait()`` a second one (one process, fake world);
+* the ledger's calls become named ranges, an asynchronous call's ``wait()`` a second one (one gloo process);
 * one 2-process launch traces DDP, ZeRO-3, TP and 1F1B through the harness's ``trace``: every rank writes a file
   that parses, whose ledger ranges are exactly the ledger's calls of each traced step (op, group, bytes, label),
   and, for bucketed DDP, whose exposed communication agrees with the recipe's own measure of the same steps.
@@ -23,7 +23,7 @@ from lslm.metrics.overlap import analyse, load_trace, merge, slowest_rank
 from lslm.metrics.trace import StepTracer, activities_for, trace_path
 from lslm.runtime.comm_trace import parse_range, range_name
 from lslm.runtime.ledger import Comm
-from tests.helpers import fake_world, run_workers
+from tests.helpers import run_workers
 
 matplotlib.use("Agg")
 
@@ -95,7 +95,8 @@ def test_range_names_round_trip() -> None:
 
 
 def test_ledger_calls_are_named_ranges_with_their_waits(tmp_path: Path) -> None:
-    with fake_world(0, 2):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process: cheap, real gloo
+    try:
         comm = Comm()
         x = torch.ones(8)
         plain = comm.all_reduce(x, async_op=True)  # no profiler: torch's own work, untouched
@@ -104,14 +105,15 @@ def test_ledger_calls_are_named_ranges_with_their_waits(tmp_path: Path) -> None:
         tracer = StepTracer(tmp_path, "t", 0, "cpu", [0])
         with tracer.step(0):
             work = comm.all_reduce(x, async_op=True, label="b 1")
-            comm.all_gather_into_tensor(torch.empty(16), x, label="g")
+            comm.all_gather_into_tensor(torch.empty(8), x, label="g")
             work.wait()
-        assert dist.get_world_size() == 2
+    finally:
+        dist.destroy_process_group()
     (s,) = analyse(load_trace(tracer.path))
     tl = load_trace(tracer.path)
     assert [(c.info.op, c.info.nbytes, c.info.label, c.wait is not None) for c in tl.collectives] == [
-        ("all_reduce", 32, "b 1", True), ("all_gather", 64, "g", False)]
-    assert s.bytes_by_kind == {"all_reduce@world": 32, "all_gather@world": 64}
+        ("all_reduce", 32, "b 1", True), ("all_gather", 32, "g", False)]
+    assert s.bytes_by_kind == {"all_reduce@world": 32, "all_gather@world": 32}
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +157,14 @@ def test_plot_trace_draws_every_rank(traced: Any) -> None:
     assert labels[0] == "rank 0 compute" and "rank 1 comm [world]" in labels
     assert ax.get_title(loc="left") and "ms" in ax.get_xlabel()
     matplotlib.pyplot.close(ax.figure)
+
+
+def test_bench_runner_traces_its_last_round(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lslm.harness.bench_runner import TRACE_ENV, Variant, run_variants
+
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path))
+    x = torch.ones(64, 64)
+    run_variants([Variant("mm", lambda t, r: x @ x), Variant("add", lambda t, r: x + x)], steps=2, warmup=1)
+    (path,) = tmp_path.glob("bench*-n1-rank0.json")
+    tl = load_trace(path)
+    assert sorted(s[0] for s in tl.steps) == ["add", "mm"] and tl.compute

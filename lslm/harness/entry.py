@@ -145,7 +145,8 @@ def run_or_launch(recipe: Recipe, cfg: Any, nproc: int, trace: str | None = None
     recipe.validate(cfg, env.world_size if env is not None else nproc)
     if env is not None:
         return [run_rank(recipe, trace=trace, **asdict(cfg))]
-    return list(launch_recipe(recipe, nproc, trace=trace, **launch_kwargs, **asdict(cfg)))
+    traced = {"trace": trace} if trace else {}
+    return list(launch_recipe(recipe, nproc, **traced, **launch_kwargs, **asdict(cfg)))
 
 
 def recipe_main(recipe: Recipe, argv: Sequence[str] | None = None) -> tuple[Any, list[dict[str, Any]]]:
