@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lslm.metrics.overlap import analyse, load_trace, merge, slowest_rank
+from lslm.metrics.overlap import analyse, analyse_files, load_trace, merge, overlap_table, slowest_rank
 from lslm.metrics.trace import StepTracer, activities_for, trace_path
 from lslm.runtime.comm_trace import parse_range, range_name
 from lslm.runtime.ledger import Comm
@@ -141,11 +141,13 @@ def test_every_technique_writes_a_trace_with_the_ledgers_calls(traced: Any, name
 def test_ddp_exposed_comm_agrees_with_the_recipes_measure(traced: Any) -> None:
     """Waits in the trace vs ``sync_end - backward_end`` (the recipe's exposed comm), summed over ranks and steps."""
     _, ranks = traced
-    per_rank = {r: analyse(load_trace(rec["ddp"]["trace"]["path"])) for r, rec in enumerate(ranks)}
+    per_rank = analyse_files(rec["ddp"]["trace"]["path"] for rec in ranks)
+    assert list(per_rank) == [0, 1]
     waits = sum(s.exposed_s - s.issue_s for steps in per_rank.values() for s in steps)
     window = sum(s.marks["sync_end"] - s.marks["backward_end"] for steps in per_rank.values() for s in steps)
     assert window > 0 and abs(waits - window) <= 0.1 * window, (waits, window)
-    assert slowest_rank(per_rank)[0] in (0, 1)
+    slowest = slowest_rank(per_rank)[0]
+    assert overlap_table(per_rank).splitlines()[-1].startswith(f"slowest rank: {slowest} (")
 
 
 def test_plot_trace_draws_every_rank(traced: Any) -> None:

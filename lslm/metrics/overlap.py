@@ -56,8 +56,8 @@ from typing import Any
 from lslm.metrics.trace import MARK_PREFIX, STEP_PREFIX
 from lslm.runtime.comm_trace import CommRange, parse_range
 
-__all__ = ["Collective", "StepOverlap", "Timeline", "analyse", "is_comm_event", "load_trace", "merge",
-           "slowest_rank", "total", "union_length"]
+__all__ = ["Collective", "StepOverlap", "Timeline", "analyse", "analyse_files", "is_comm_event", "load_trace",
+           "merge", "overlap_table", "slowest_rank", "total", "union_length"]
 
 _COMM_EVENT = re.compile(r"^(c10d::|gloo:|nccl:|nccl|record_param_comms|ProcessGroup)", re.IGNORECASE)
 Interval = tuple[float, float]
@@ -311,3 +311,32 @@ def slowest_rank(per_rank: dict[int, list[StepOverlap]]) -> tuple[int, float]:
     times = {r: sum(s.step_s for s in steps) for r, steps in per_rank.items()}
     rank = max(times, key=lambda r: times[r])
     return rank, times[rank]
+
+
+def analyse_files(paths: Iterable[str | Path]) -> dict[int, list[StepOverlap]]:
+    """``{rank: analyse(load_trace(path))}`` for one run's files (one per rank, e.g. ``DIR/<run>-rank*.json``)."""
+    out: dict[int, list[StepOverlap]] = {}
+    for path in paths:
+        tl = load_trace(path)
+        if tl.rank in out:
+            raise ValueError(f"two traces of rank {tl.rank} ({path}): pass one run's files")
+        out[tl.rank] = analyse(tl)
+    if not out:
+        raise ValueError("no trace files given")
+    return dict(sorted(out.items()))
+
+
+def overlap_table(per_rank: dict[int, list[StepOverlap]]) -> str:
+    """A text table: per rank and step, step / compute / exposed communication / idle (ms), then per collective
+    kind and group its calls, bytes, issue-to-wait time and exposed time; the last line names the slowest rank."""
+    lines = [f"{'rank':>4} {'step':>10} {'step ms':>9} {'compute':>9} {'exposed':>9} {'idle':>9}   per op@group: "
+             "calls, bytes, issue->wait ms, exposed ms"]
+    for rank, steps in per_rank.items():
+        for s in steps:
+            kinds = "; ".join(f"{k}: {s.calls_by_kind[k]}, {s.bytes_by_kind[k]:,} B, {1e3 * s.comm_s[k]:.2f}, "
+                              f"{1e3 * s.exposed_by_kind.get(k, 0.0):.2f}" for k in sorted(s.calls_by_kind))
+            lines.append(f"{rank:>4} {s.step:>10} {1e3 * s.step_s:9.2f} {1e3 * s.compute_s:9.2f} "
+                         f"{1e3 * s.exposed_s:9.2f} {1e3 * s.idle_s:9.2f}   {kinds}")
+    rank, t = slowest_rank(per_rank)
+    lines.append(f"slowest rank: {rank} ({1e3 * t:.2f} ms over its traced steps)")
+    return "\n".join(lines)
