@@ -31,8 +31,8 @@ from lslm.harness.recipe import Built, gather_summaries, summarize, train_loop, 
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.startup import RankEnv, init_distributed
 
-__all__ = ["Recipe", "entry_points", "launch_recipe", "recipe_main", "run_in_context", "run_many", "run_or_launch",
-           "run_rank"]
+__all__ = ["Recipe", "add_trace_option", "entry_points", "launch_recipe", "recipe_main", "run_in_context", "run_many",
+           "run_or_launch", "run_rank"]
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,13 @@ def run_or_launch(recipe: Recipe, cfg: Any, nproc: int, trace: str | None = None
     return list(launch_recipe(recipe, nproc, **traced, **launch_kwargs, **asdict(cfg)))
 
 
+def add_trace_option(parser: argparse.ArgumentParser) -> None:
+    """The ``--trace DIR`` flag every recipe's command line has (see the module doc)."""
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="profile the last two steps with torch.profiler; every rank writes "
+                             "DIR/<run>-rank<r>.json (Chrome trace: Perfetto, chrome://tracing)")
+
+
 def recipe_main(recipe: Recipe, argv: Sequence[str] | None = None) -> tuple[Any, list[dict[str, Any]]]:
     """The command line of a recipe: flags from its config plus ``--nproc``; returns ``(cfg, records)``.
 
@@ -158,9 +165,7 @@ def recipe_main(recipe: Recipe, argv: Sequence[str] | None = None) -> tuple[Any,
     parser = argparse.ArgumentParser(prog=f"python -m {recipe.module}", description=recipe.description)
     parser.add_argument("--nproc", type=int, default=2,
                         help="processes to launch when not started by torchrun (default: 2)")
-    parser.add_argument("--trace", default=None, metavar="DIR",
-                        help="profile the last two steps with torch.profiler; every rank writes "
-                             "DIR/<run>-rank<r>.json (Chrome trace: Perfetto, chrome://tracing)")
+    add_trace_option(parser)
     cfg, extra = parse_config(recipe.config, argv, parser=parser)
     env = RankEnv.from_environ()
     try:

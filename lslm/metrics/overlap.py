@@ -13,7 +13,8 @@ thread that ran the ``lslm.step#<id>`` ranges: it is the step's critical path on
   events, kept in :attr:`Timeline.other_threads`) while the main thread computes; issue-to-wait
   is what the main thread can overlap, so that is what we attribute to the collective.
 * **Compute** (``compute_s``): the union of the main thread's operator ranges (``aten::...``,
-  any ``cpu_op``) *outside* the ledger's ranges; torch's own ``c10d::`` / ``gloo:`` /
+  any ``cpu_op``; on CUDA also those of autograd's device threads, where the backward runs) *outside*
+  the main thread's ledger ranges; torch's own ``c10d::`` / ``gloo:`` /
   ``nccl:`` / ``record_param_comms`` events are communication, never compute.
 * **Exposed communication** (``exposed_s``): the time the main thread spends inside a ledger range
   (a blocking call, or the ``wait()`` of an asynchronous one) while no compute runs: on gloo the
@@ -224,7 +225,10 @@ def load_trace(source: str | Path | dict[str, Any], rank: int | None = None) -> 
     collectives = sorted(calls.values(), key=lambda c: c.call[0])
 
     comm_ranges = merge([c.call for c in collectives] + [c.wait for c in collectives if c.wait is not None])
-    ops = merge(iv(e) for e in on_main if e.get("cat") == "cpu_op" and not is_comm_event(e["name"]))
+    # On CUDA the backward runs on autograd's device threads, not the caller's: their operators are compute too.
+    workers = {e.get("tid") for e in host if e["name"].startswith("autograd::engine::evaluate_function")} - {main}
+    ops = merge(iv(e) for e in host if e.get("cat") == "cpu_op" and not is_comm_event(e["name"])
+                and (e.get("tid") == main or e.get("tid") in workers))
     compute = _minus(ops, comm_ranges)  # operators inside a ledger call are that collective's own work
 
     other: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
