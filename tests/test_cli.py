@@ -89,13 +89,13 @@ def test_bench_refuses_bad_settings_before_any_launch(argv: list[str], message: 
 
 def test_each_bench_help_lists_its_own_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert BENCH_OPTIONS["ddp"] == {"--nprocs", "--steps", "--quick", "--bucket-mb", "--sweep-mb", "--out",
-                                    "--device"}
+                                    "--device", "--trace"}
     assert BENCH_OPTIONS["launch"] == {"--nprocs", "--repeats", "--out"}
-    assert BENCH_OPTIONS["collectives"] == {"--nprocs", "--sizes-kib", "--repeats", "--out", "--device"}
-    assert BENCH_OPTIONS["tp"] == {"--nprocs", "--steps", "--quick", "--no-sp", "--out", "--device"}
-    assert BENCH_OPTIONS["cp"] == {"--nprocs", "--repeats", "--quick", "--out", "--device"}
+    assert BENCH_OPTIONS["collectives"] == {"--nprocs", "--sizes-kib", "--repeats", "--out", "--device", "--trace"}
+    assert BENCH_OPTIONS["tp"] == {"--nprocs", "--steps", "--quick", "--no-sp", "--out", "--device", "--trace"}
+    assert BENCH_OPTIONS["cp"] == {"--nprocs", "--repeats", "--quick", "--out", "--device", "--trace"}
     assert BENCH_OPTIONS["pipeline"] == {"--nprocs", "--microbatches", "--repeats", "--warmup", "--quick", "--out",
-                                         "--device", "--n-embd", "--batch"}
+                                         "--device", "--n-embd", "--batch", "--trace"}
     every = set().union(*BENCH_OPTIONS.values())
     for name, own in BENCH_OPTIONS.items():
         with pytest.raises(SystemExit) as exc:

@@ -9,8 +9,10 @@ belongs to, never silently ignored. Values are checked by argparse types (the ru
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from lslm.bench.devices import BENCH_DEVICES
 
@@ -58,6 +60,10 @@ def _device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=BENCH_DEVICES, default="cpu",
                    help="cpu (gloo, comparable with the committed results), cuda (NCCL, one GPU per process) "
                         "or auto (default: cpu)")
+    # Every bench that measures on a device runs lslm.harness.run_variants, which traces when asked.
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="profile the last timed round with torch.profiler; every rank writes "
+                        "DIR/bench<k>-n<world>-rank<r>.json (Chrome trace: Perfetto, chrome://tracing)")
 
 
 def _launch_options(p: argparse.ArgumentParser) -> None:
@@ -233,6 +239,31 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run the bench ``ns.name`` with the parsed flags; bad settings end in ``parser.error`` before any launch."""
     parser = getattr(ns, "bench_parser", parser)  # the bench's own parser, for its usage line
     out_dir = ns.out or "bench/results"
+    trace = getattr(ns, "trace", None)
+    with _tracing(trace):
+        return _run(ns, parser, out_dir)
+
+
+@contextlib.contextmanager
+def _tracing(folder: str | None) -> Iterator[None]:
+    """Set :data:`lslm.harness.bench_runner.TRACE_ENV` for the processes launched inside (and restore it)."""
+    if not folder:
+        yield
+        return
+    from lslm.harness.bench_runner import TRACE_ENV
+
+    before = os.environ.get(TRACE_ENV)
+    os.environ[TRACE_ENV] = os.path.abspath(folder)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(TRACE_ENV, None)
+        else:
+            os.environ[TRACE_ENV] = before
+
+
+def _run(ns: argparse.Namespace, parser: argparse.ArgumentParser, out_dir: str) -> int:
     try:
         if ns.name == "launch":
             from lslm.bench import launch_overhead

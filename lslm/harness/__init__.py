@@ -13,6 +13,7 @@ from lslm.harness.bench_runner import Timing, Variant, critical_path, gather_ran
 from lslm.harness.config_cli import check_fields, config_parser, option, parse_config
 from lslm.harness.entry import (
     Recipe,
+    add_trace_option,
     entry_points,
     launch_recipe,
     recipe_main,
@@ -34,7 +35,7 @@ from lslm.harness.throughput import step_throughput, throughput_lines
 from lslm.harness.timer import Marks, StepTimer, timer_mode
 
 __all__ = [
-    "REPORT_LABEL", "Built", "Marks", "Recipe", "Report", "StepTimer", "Timing", "Variant",
+    "REPORT_LABEL", "Built", "Marks", "Recipe", "Report", "StepTimer", "Timing", "Variant", "add_trace_option",
     "check_fields", "config_parser", "critical_path", "entry_points", "gather_ranks", "gather_summaries",
     "launch_recipe", "option", "parse_config", "recipe_main", "run_in_context", "run_many", "run_or_launch", "run_rank",
     "run_variants", "step_throughput", "throughput_lines",

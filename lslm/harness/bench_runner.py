@@ -14,6 +14,13 @@ Rules every lslm benchmark follows:
   rank to finish backward: the others' waits include waiting for it, its own does not);
 * **medians** over the timed rounds.
 
+**Traces.** With the environment variable :data:`TRACE_ENV` (``LSLM_TRACE_DIR``) set to a folder,
+which ``lslm bench NAME --trace DIR`` does for the processes it launches, the *last* timed round
+runs under ``torch.profiler``: each variant's call is a step range ``lslm.step#<variant>``, and
+every rank writes ``DIR/bench<k>-n<world size>-rank<r>.json`` (``k`` counts this process's
+:func:`run_variants` calls; see :mod:`lslm.metrics.trace`). An environment variable, because a bench
+reaches :func:`run_variants` through its own workers and options: one switch for all of them.
+
 The timing source is a :class:`~lslm.harness.timer.StepTimer` on the bench's device (CUDA
 events on GPUs), and the gather of every rank's times runs on that device, so the same
 runner works on gloo and on NCCL. ``barrier``, ``gather`` and ``clock`` can be replaced,
@@ -22,6 +29,9 @@ which is how the unit tests drive it without processes.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -32,8 +42,13 @@ import torch
 import torch.distributed as dist
 
 from lslm.harness.timer import Marks, StepTimer
+from lslm.metrics.trace import StepTracer
 
-__all__ = ["Timing", "Variant", "critical_path", "gather_ranks", "run_variants"]
+__all__ = ["TRACE_ENV", "Timing", "Variant", "critical_path", "gather_ranks", "run_variants"]
+
+#: The environment variable that makes :func:`run_variants` trace its last round into a folder.
+TRACE_ENV = "LSLM_TRACE_DIR"
+_TRACE_CALLS = itertools.count()  # numbers this process's traced run_variants calls (one file each)
 
 
 @dataclass
@@ -131,14 +146,18 @@ def run_variants(variants: Sequence[Variant], *, steps: int, warmup: int = 1,
     # Host-side timing table; gather_ranks moves it to the bench device before communicating.
     local = torch.zeros(len(variants), steps, 1 + len(phases), dtype=torch.float64)  # lslm: cpu-ok (host timings)
     extra: list[list[Any]] = [[] for _ in variants]
+    tracer = _tracer(names, device)
+    last = warmup + steps - 1
     for rnd in range(warmup + steps):
         first = rnd % len(variants) if rotate else 0
         for v in [*range(first, len(variants)), *range(first)]:
             variant = variants[v]
             barrier()
-            timer.start()
-            variant.run(timer, rnd)
-            marks: Marks = timer.stop()
+            traced = tracer.step(variant.name) if tracer is not None and rnd == last else contextlib.nullcontext()
+            with traced:
+                timer.start()
+                variant.run(timer, rnd)
+                marks: Marks = timer.stop()
             if rnd < warmup:
                 continue
             row = [marks.total] + [marks.span(a, b) for a, b in phases.values()]
@@ -153,3 +172,13 @@ def run_variants(variants: Sequence[Variant], *, steps: int, warmup: int = 1,
                          {p: reduced[v, :, 1 + k].tolist() for k, p in enumerate(phases)}, extra[v])
             for v, name in enumerate(names)}
 
+
+
+def _tracer(names: list[str], device: torch.device | str) -> StepTracer | None:
+    """A tracer of every variant's call in the last round when :data:`TRACE_ENV` names a folder, else None."""
+    folder = os.environ.get(TRACE_ENV)
+    if not folder:
+        return None
+    initialized = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
+    return StepTracer(folder, f"bench{next(_TRACE_CALLS)}-n{world}", rank, device, names)

@@ -11,6 +11,12 @@ the config class, ``build`` and the world-size check. The same recipe then runs
 
 Settings are checked for the world size before any process starts (``ValueError``; on the
 command line an argparse error).
+
+**Traces.** Every recipe takes ``--trace DIR`` (``trace="DIR"`` from a notebook): the last two steps
+run under ``torch.profiler`` and every rank writes ``DIR/<run name>-rank<r>.json``, Chrome-trace JSON
+with the ledger's collectives named in it (:mod:`lslm.metrics.trace`; analyse it with
+:mod:`lslm.metrics.overlap`, draw it with :func:`lslm.plot.trace.plot_trace`). It is a harness
+option, not a config field: it changes what is recorded, never what is trained.
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ from lslm.harness.recipe import Built, gather_summaries, summarize, train_loop, 
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.startup import RankEnv, init_distributed
 
-__all__ = ["Recipe", "entry_points", "launch_recipe", "recipe_main", "run_in_context", "run_many", "run_or_launch",
-           "run_rank"]
+__all__ = ["Recipe", "add_trace_option", "entry_points", "launch_recipe", "recipe_main", "run_in_context", "run_many",
+           "run_or_launch", "run_rank"]
 
 
 @dataclass(frozen=True)
@@ -63,15 +69,16 @@ def _device(cfg: Any) -> str | None:
     return None if cfg.device == "auto" else cfg.device  # "auto": init_distributed chooses (CUDA + NCCL or CPU + gloo)
 
 
-def run_rank(recipe: Recipe, **kwargs: Any) -> dict[str, Any]:
+def run_rank(recipe: Recipe, trace: str | None = None, **kwargs: Any) -> dict[str, Any]:
     """One rank of a launched run: join the process group, build, train, and (rank 0) write ``cfg.out``.
 
     Returns this rank's record (:func:`~lslm.harness.recipe.train_loop`). With ``out`` set,
     every rank's :func:`~lslm.harness.recipe.summarize` is gathered and rank 0 writes the run log.
+    With ``trace`` (a folder), every rank writes a profiler trace of the last steps there.
     """
     cfg = recipe.config(**kwargs)
     with init_distributed(**recipe.sizes(cfg), device=_device(cfg), seed=cfg.seed) as ctx:
-        result = train_loop(cfg, recipe.build(cfg, ctx), ctx)
+        result = train_loop(cfg, recipe.build(cfg, ctx), ctx, trace=trace)
         if cfg.out:
             ranks = gather_summaries(ctx, summarize(result))
             if ctx.rank == 0:
@@ -79,29 +86,32 @@ def run_rank(recipe: Recipe, **kwargs: Any) -> dict[str, Any]:
         return result
 
 
-def run_many(recipe: Recipe, runs: Sequence[dict[str, Any]], **common: Any) -> list[dict[str, Any]]:
+def run_many(recipe: Recipe, runs: Sequence[dict[str, Any]], trace: str | None = None,
+             **common: Any) -> list[dict[str, Any]]:
     """Several runs one after another in *one* process group (no start-up cost per run).
 
     Run ``i`` uses ``config(**common, **runs[i])``, each from the same seed; returns this
     rank's record of each run. The ledger is emptied between runs; ``out`` is ignored. The
     process group has the first run's grid; a recipe whose runs need other grids builds
-    their groups inside it.
+    their groups inside it. With ``trace``, run ``i`` writes ``<trace>/<run name>-<i>-rank<r>.json``.
     """
     cfgs = [recipe.config(**{**common, **r, "out": None}) for r in runs]
     with init_distributed(**recipe.sizes(cfgs[0]), device=_device(cfgs[0]), seed=cfgs[0].seed) as ctx:
-        return run_in_context(recipe, ctx, runs, **common)
+        return run_in_context(recipe, ctx, runs, trace=trace, **common)
 
 
-def run_in_context(recipe: Recipe, ctx: ParallelContext, runs: Sequence[dict[str, Any]],
+def run_in_context(recipe: Recipe, ctx: ParallelContext, runs: Sequence[dict[str, Any]], trace: str | None = None,
                    **common: Any) -> list[dict[str, Any]]:
     """:func:`run_many`'s runs in a process group that is already up (``ctx``), e.g. a job that runs other
-    experiments in the same processes; each run is checked for ``ctx``'s world size first. Every rank calls it."""
+    experiments in the same processes; each run is checked for ``ctx``'s world size first. Every rank calls it.
+    With ``trace`` (a folder), run ``i`` writes its profiler traces there as ``<run name>-<i>-rank<r>.json``."""
     records = []
-    for r in runs:
+    for i, r in enumerate(runs):
         cfg = recipe.config(**{**common, **r, "out": None})
         recipe.validate(cfg, ctx.world_size)
         ctx.comm.ledger.reset()
-        records.append(train_loop(cfg, recipe.build(cfg, ctx), ctx))
+        built = recipe.build(cfg, ctx)
+        records.append(train_loop(cfg, built, ctx, trace=trace, trace_name=f"{built.name}-{i}"))
     return records
 
 
@@ -114,25 +124,36 @@ def launch_recipe(recipe: Recipe, nproc: int, *, runs: Sequence[dict[str, Any]] 
     """
     from lslm.launcher.launch import launch
 
+    trace = kwargs.pop("trace", None)
+    traced = {"trace": str(trace)} if trace else {}
     for extra in runs or [{}]:
         recipe.validate(recipe.config(**{**kwargs, **extra}), nproc)
     if runs is not None:
         return launch(f"{recipe.module}:compare", nproc=nproc, timeout=timeout, output=output, runs=list(runs),
-                      **kwargs)
+                      **traced, **kwargs)
     return launch(f"{recipe.module}:worker", nproc=nproc, timeout=timeout, output=output,
-                  **asdict(recipe.config(**kwargs)))
+                  **traced, **asdict(recipe.config(**kwargs)))
 
 
-def run_or_launch(recipe: Recipe, cfg: Any, nproc: int, **launch_kwargs: Any) -> list[dict[str, Any]]:
+def run_or_launch(recipe: Recipe, cfg: Any, nproc: int, trace: str | None = None,
+                  **launch_kwargs: Any) -> list[dict[str, Any]]:
     """Under torchrun (``RANK`` set): run this rank and return ``[its record]``; otherwise launch ``nproc`` ranks.
 
-    The settings are checked for the world size first either way.
+    The settings are checked for the world size first either way. ``trace``: a folder for profiler traces.
     """
     env = RankEnv.from_environ()
     recipe.validate(cfg, env.world_size if env is not None else nproc)
     if env is not None:
-        return [run_rank(recipe, **asdict(cfg))]
-    return list(launch_recipe(recipe, nproc, **launch_kwargs, **asdict(cfg)))
+        return [run_rank(recipe, trace=trace, **asdict(cfg))]
+    traced = {"trace": trace} if trace else {}
+    return list(launch_recipe(recipe, nproc, **traced, **launch_kwargs, **asdict(cfg)))
+
+
+def add_trace_option(parser: argparse.ArgumentParser) -> None:
+    """The ``--trace DIR`` flag every recipe's command line has (see the module doc)."""
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="profile the last two steps with torch.profiler; every rank writes "
+                             "DIR/<run>-rank<r>.json (Chrome trace: Perfetto, chrome://tracing)")
 
 
 def recipe_main(recipe: Recipe, argv: Sequence[str] | None = None) -> tuple[Any, list[dict[str, Any]]]:
@@ -144,13 +165,14 @@ def recipe_main(recipe: Recipe, argv: Sequence[str] | None = None) -> tuple[Any,
     parser = argparse.ArgumentParser(prog=f"python -m {recipe.module}", description=recipe.description)
     parser.add_argument("--nproc", type=int, default=2,
                         help="processes to launch when not started by torchrun (default: 2)")
+    add_trace_option(parser)
     cfg, extra = parse_config(recipe.config, argv, parser=parser)
     env = RankEnv.from_environ()
     try:
         recipe.validate(cfg, env.world_size if env is not None else extra["nproc"])
     except ValueError as exc:
         parser.error(str(exc))
-    return cfg, run_or_launch(recipe, cfg, extra["nproc"])
+    return cfg, run_or_launch(recipe, cfg, extra["nproc"], trace=extra.get("trace"))
 
 
 def entry_points(recipe: Recipe) -> tuple[Callable[..., dict[str, Any]], Callable[..., list[dict[str, Any]]],

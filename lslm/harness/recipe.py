@@ -22,6 +22,7 @@ the memory report and the run record. :func:`run_rank` is one rank of a launched
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ from lslm.harness.throughput import step_throughput
 from lslm.harness.timer import Marks, StepTimer
 from lslm.metrics.flops import StepFlops
 from lslm.metrics.memory import memory_report
+from lslm.metrics.trace import StepTracer
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.files import atomic_write_bytes
 from lslm.runtime.printing import progress, rank_print
@@ -90,8 +92,18 @@ class Built:
     flops: StepFlops | None = None
 
 
-def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None) -> dict[str, Any]:
+#: How many steps ``trace`` profiles: the last ones of the run (the first steps warm caches and buckets up).
+TRACE_STEPS = 2
+
+
+def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None, trace: str | None = None,
+               trace_name: str | None = None) -> dict[str, Any]:
     """Train ``built`` for ``cfg.steps`` steps; return this rank's run record.
+
+    With ``trace`` (a folder), the last :data:`TRACE_STEPS` steps run under ``torch.profiler`` and
+    every rank writes ``<trace>/<trace_name or built.name>-rank<r>.json`` (see
+    :mod:`lslm.metrics.trace`); the record's ``trace`` says where, which steps, and the ledger's
+    calls of each traced step.
 
     Per step (lists): ``local_losses`` (this rank's loss), ``step_s`` (start to end of the
     step, loss on the host included), the ``per_step`` figures, and ``comm_bytes`` /
@@ -109,15 +121,20 @@ def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None) -> di
     rec: dict[str, list[Any]] = {"local_losses": [], "step_s": []}
     steps = range(built.first_step, cfg.steps)
     bar = progress(steps, desc=built.name) if ctx is None else None
+    tracer = (StepTracer(trace, trace_name or built.name, ctx.rank if ctx is not None else 0, built.device,
+                         list(steps)[-TRACE_STEPS:]) if trace else None)
     for step in bar if bar is not None else steps:
         batch = next(built.batches)
         if built.before_step is not None:
             built.before_step(batch)
         since = len(ledger.records) if ledger is not None else 0
-        timer.start()
-        loss = built.step(batch, timer)
-        value = loss.item()  # waits for the device: the step is over when the host has its loss
-        marks = timer.stop()
+        with tracer.step(step) if tracer is not None else contextlib.nullcontext():
+            timer.start()
+            loss = built.step(batch, timer)
+            value = loss.item()  # waits for the device: the step is over when the host has its loss
+            marks = timer.stop()
+        if tracer is not None and ledger is not None:
+            tracer.note_calls(step, ledger.records[since:])
         now: dict[str, Any] = {"local_losses": value, "step_s": marks.total}
         if built.per_step is not None:
             now.update(built.per_step(marks))
@@ -154,6 +171,7 @@ def train_loop(cfg: Any, built: Built, ctx: ParallelContext | None = None) -> di
         "device": str(built.device),
         "backend": ctx.backend if ctx is not None else None,
         **({"throughput": rates.to_dict()} if rates is not None else {}),
+        **({"trace": tracer.summary()} if tracer is not None else {}),
         **built.info,
     }
 

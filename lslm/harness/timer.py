@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from lslm.metrics.trace import mark_range
 from lslm.runtime.startup import synchronize
 
 __all__ = ["Marks", "StepTimer", "timer_mode"]
@@ -86,6 +87,7 @@ class StepTimer:
         self._running = False
 
     def _now(self, name: str) -> None:
+        mark_range(name)  # a zero-length ``lslm.mark:<name>`` range while a profiler traces the step
         if self.mode == "events":
             event = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(self.device))

@@ -23,6 +23,7 @@ On CPU the run is bitwise reproducible: the same config gives the same losses.
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,7 +36,17 @@ from lslm.data.dataset import batches, token_blocks
 from lslm.data.sampler import make_sampler
 from lslm.data_parallel.grad_buffer import has_main_grad
 from lslm.data_parallel.grad_sync import GRAD_DTYPES, attach_grad_buffers, resolve_grad_dtype
-from lslm.harness import Built, StepTimer, check_fields, option, parse_config, summarize, train_loop, write_run_log
+from lslm.harness import (
+    Built,
+    StepTimer,
+    add_trace_option,
+    check_fields,
+    option,
+    parse_config,
+    summarize,
+    train_loop,
+    write_run_log,
+)
 from lslm.metrics.flops import StepFlops, gpt_step_flops
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.precision import PARAM_DTYPES, PRECISION_MODES, PrecisionSetup, prepare_precision
@@ -205,15 +216,17 @@ def build(cfg: TrainConfig, ctx: ParallelContext | None = None) -> Built:
                  name="train", flops=step_flops(cfg))
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def train(cfg: TrainConfig, trace: str | None = None) -> dict[str, Any]:
     """Train for ``cfg.steps`` steps in this process and return the run record.
+
+    With ``trace`` (a folder), the last steps are profiled into ``<trace>/train-rank0.json``.
 
     Keys include ``losses`` (one float per step), ``step_times_s`` (= ``step_s``),
     ``tokens_per_step``, ``num_parameters``, ``memory``, ``config`` (``asdict(cfg)``) and
     ``device`` (see :func:`lslm.harness.recipe.train_loop`). The run log is written as JSON
     to ``cfg.out`` when set.
     """
-    result = train_loop(cfg, build(cfg))
+    result = train_loop(cfg, build(cfg), trace=trace)
     if cfg.out:
         write_run_log(cfg.out, result, [{**summarize(result), "rank": 0}])
     return {**result, "step_times_s": result["step_s"]}
@@ -221,9 +234,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Command line entry point; returns the run record (handy in tests)."""
-    cfg, _ = parse_config(TrainConfig, argv, prog="python -m lslm.recipes.train",
-                          description="Serial baseline training run.")
-    result = train(cfg)
+    parser = argparse.ArgumentParser(prog="python -m lslm.recipes.train", description="Serial baseline training run.")
+    add_trace_option(parser)
+    cfg, extra = parse_config(TrainConfig, argv, parser=parser)
+    result = train(cfg, trace=extra.get("trace"))
     losses = result["losses"]
     ms = 1000 * sorted(result["step_s"])[len(losses) // 2]
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {cfg.steps} steps on {result['device']}; "

@@ -34,6 +34,10 @@ Each record carries:
   True``, or inside ``with ledger.timed():``) get one; the others keep ``None``, and an
   asynchronous call then returns torch's own work, with no wrapper and no callback.
 
+While a ``torch.profiler`` runs, every call is also a named ``record_function`` range
+(op, axis, bytes, group size, label; an asynchronous call's ``wait()`` a second range):
+see :mod:`lslm.runtime.comm_trace`.
+
 A :class:`Comm` made outside a context (``Comm()``) records into its own new
 ledger; nothing is dropped unless a caller pauses the ledger on purpose, and then
 the ledger counts what it skipped (``ledger.dropped``).
@@ -55,6 +59,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from lslm.runtime.comm_trace import TracedWork, comm_ranges, profiling, range_name
 from lslm.runtime.completion import TimedWork, prepare, stamp
 from lslm.runtime.records import CommLedger, CommRecord, bus_factor
 
@@ -92,6 +97,7 @@ class Comm:
         self.device = torch.device(device) if device is not None else None
         self._names: dict[int, tuple[Any, str]] = {}
         self._scratch: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
+        self._trace_seq = 0  # numbers the profiler ranges of this Comm's calls (joins a call to its wait)
 
     # -- groups and devices ------------------------------------------------------
     def name_group(self, group: Any, name: str) -> None:
@@ -149,6 +155,30 @@ class Comm:
         return torch.device("cpu")
 
     # -- helpers ---------------------------------------------------------------
+    def _traced(self, calls: Sequence[tuple[str, int, Any, str, int | None]], run: Callable[[], Any],
+                async_op: bool) -> Any:
+        """Run ``run()`` inside one profiler range per ``(op, nbytes, group, label, peer)``; wrap async works.
+
+        Only called while a profiler runs. A list of works (a p2p batch) gets one wait range per
+        call when the counts match, else every wait range around each work.
+        """
+        names, waits = [], []
+        for op, nbytes, group, label, peer in calls:
+            self._trace_seq = getattr(self, "_trace_seq", 0) + 1
+            size = 2 if op in ("send", "recv") else dist.get_world_size(group)
+            args = (op, self.group_name(group), nbytes, size, label, self._trace_seq, peer)
+            names.append(range_name(*args))
+            waits.append(range_name(*args, wait=True))
+        with comm_ranges(names):
+            out = run()
+        if not async_op or out is None:
+            return out
+        if isinstance(out, list):
+            if len(out) == len(waits):
+                return [TracedWork(w, [n]) for w, n in zip(out, waits)]
+            return [TracedWork(w, waits) for w in out]
+        return TracedWork(out, waits)
+
     def _issue(self, op: str, t: torch.Tensor | None, nbytes: int, group: Any, peer: int | None = None,
                label: str = "", timed: bool = False) -> CommRecord:
         size = 2 if op in ("send", "recv") else dist.get_world_size(group)
@@ -169,6 +199,14 @@ class Comm:
         times (:attr:`CommLedger.stamps_completion`), also a stamp when a blocking call returns, or
         a work wrapper and a callback on the work's future for an asynchronous one.
         """
+        if profiling():
+            return self._traced([(kind, nbytes, group, label, None)],
+                                lambda: self._record_and_run(kind, t, nbytes, group, label, fn, *args, **kwargs),
+                                bool(kwargs.get("async_op", False)))
+        return self._record_and_run(kind, t, nbytes, group, label, fn, *args, **kwargs)
+
+    def _record_and_run(self, kind: str, t: torch.Tensor, nbytes: int, group: Any, label: str,
+                        fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         ledger = self.ledger
         if not ledger.enabled:
             ledger.drop(1)
@@ -304,6 +342,12 @@ class Comm:
 
     def barrier(self, group: Any = None, label: str = "") -> None:
         """Block until every rank of ``group`` arrives (recorded with 0 bytes; completion on the host clock)."""
+        if profiling():
+            return self._traced([("barrier", 0, group, label, None)],
+                                lambda: self._barrier(group=group, label=label), False)
+        return self._barrier(group=group, label=label)
+
+    def _barrier(self, group: Any = None, label: str = "") -> None:
         if not self.ledger.enabled:
             self.ledger.drop(1)
             dist.barrier(group=group)
@@ -317,6 +361,12 @@ class Comm:
     # -- point to point --------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst: int, group: Any = None, label: str = "") -> None:
         """Blocking send of ``tensor`` to global rank ``dst``."""
+        if profiling():
+            return self._traced([("send", _nbytes(tensor), group, label, dst)],
+                                lambda: self._send(tensor, dst, group=group, label=label), False)
+        return self._send(tensor, dst, group=group, label=label)
+
+    def _send(self, tensor: torch.Tensor, dst: int, group: Any = None, label: str = "") -> None:
         self._contig(tensor)
         if not self.ledger.enabled:
             self.ledger.drop(1)
@@ -330,6 +380,12 @@ class Comm:
 
     def recv(self, tensor: torch.Tensor, src: int, group: Any = None, label: str = "") -> None:
         """Blocking receive into ``tensor`` from global rank ``src``."""
+        if profiling():
+            return self._traced([("recv", _nbytes(tensor), group, label, src)],
+                                lambda: self._recv(tensor, src, group=group, label=label), False)
+        return self._recv(tensor, src, group=group, label=label)
+
+    def _recv(self, tensor: torch.Tensor, src: int, group: Any = None, label: str = "") -> None:
         self._contig(tensor)
         if not self.ledger.enabled:
             self.ledger.drop(1)
@@ -343,6 +399,12 @@ class Comm:
 
     def isend(self, tensor: torch.Tensor, dst: int, group: Any = None, label: str = "") -> Any:
         """Non-blocking send; returns a work handle to ``wait()`` on."""
+        if profiling():
+            return self._traced([("send", _nbytes(tensor), group, label, dst)],
+                                lambda: self._isend(tensor, dst, group=group, label=label), True)
+        return self._isend(tensor, dst, group=group, label=label)
+
+    def _isend(self, tensor: torch.Tensor, dst: int, group: Any = None, label: str = "") -> Any:
         self._contig(tensor)
         if not self.ledger.enabled:
             self.ledger.drop(1)
@@ -354,6 +416,12 @@ class Comm:
 
     def irecv(self, tensor: torch.Tensor, src: int, group: Any = None, label: str = "") -> Any:
         """Non-blocking receive; returns a work handle to ``wait()`` on."""
+        if profiling():
+            return self._traced([("recv", _nbytes(tensor), group, label, src)],
+                                lambda: self._irecv(tensor, src, group=group, label=label), True)
+        return self._irecv(tensor, src, group=group, label=label)
+
+    def _irecv(self, tensor: torch.Tensor, src: int, group: Any = None, label: str = "") -> Any:
         self._contig(tensor)
         if not self.ledger.enabled:
             self.ledger.drop(1)
@@ -374,6 +442,13 @@ class Comm:
         labels = [label] * len(ops) if isinstance(label, str) else list(label)
         if len(labels) != len(ops):
             raise ValueError(f"{len(labels)} labels for {len(ops)} operations: give one label, or one per operation")
+        if profiling():
+            calls = [("send" if p.op in (dist.isend, getattr(dist, "send", None)) else "recv", _nbytes(p.tensor),
+                      p.group, lab, p.peer) for p, lab in zip(ops, labels)]
+            return self._traced(calls, lambda: self._batch_isend_irecv(ops, labels), True)
+        return self._batch_isend_irecv(ops, labels)
+
+    def _batch_isend_irecv(self, ops: Sequence[dist.P2POp], labels: list[str]) -> list[Any]:
         if not self.ledger.enabled:
             # Nothing to stamp: hand back torch's works (the ring's hot path in benchmarks,
             # where a record and a wrapper per message cost ~3 % of a 16 MiB all-reduce).
