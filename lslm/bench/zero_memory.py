@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import shlex
@@ -131,7 +132,7 @@ def worker(model: dict[str, int] | None = None, rows: int = ROWS, variants: list
                     step(data[1])
                 total_counted = sum(held_by_owner(net, zero).values()) + int(live.peak[ctx.device.type])
             readings, handles = _unit_samples(net)
-            mem = measure_step_memory(lambda: step(data[2]), ctx.device)
+            mem = measure_step_memory(functools.partial(step, data[2]), ctx.device)
             for h in handles:
                 h.remove()
             row: dict[str, Any] = {"counted_peak": total_counted, "before": mem.before, "peak": mem.peak,
@@ -141,14 +142,16 @@ def worker(model: dict[str, int] | None = None, rows: int = ROWS, variants: list
                                    "buckets": [z - a for a, z, _, _ in zero.buckets], "numel": zero.numel}
             if kind == "zero3" and categories:
                 for _ in range(3):  # the profiler's own trace check fails now and then: another step then
-                    prof = measure_step_memory(lambda: step(data[3]), ctx.device, categories=True)
+                    prof = measure_step_memory(functools.partial(step, data[3]), ctx.device,
+                                               categories=True)
                     if prof.categories is not None:
                         break
                 row["categories_at_peak"] = prof.categories
                 row["categories_error"] = prof.categories_error
                 row["profiled_peak"] = prof.profiled_peak
             out["variants"][kind] = row
-            del net, zero, mem
+            # Nothing of this variant may outlive it: the next one's ``before_build`` must not count it.
+            del net, zero, mem, step
         if "zero3" in out["variants"] and "zero2" in out["variants"]:
             out["predicted"] = predictions(out["variants"]["zero3"]["buckets"], out["variants"]["zero2"]["numel"],
                                            world, gather_copy=ctx.backend == "gloo")
