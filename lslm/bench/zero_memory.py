@@ -144,7 +144,10 @@ def worker(model: dict[str, int] | None = None, rows: int = ROWS, variants: list
                 for _ in range(3):  # the profiler's own trace check fails now and then: another step then
                     prof = measure_step_memory(functools.partial(step, data[3]), ctx.device,
                                                categories=True)
-                    if prof.categories is not None:
+                    # Every rank must take the same number of steps (their collectives pair up): agree on success.
+                    failed = torch.tensor([float(prof.categories is None)], device=ctx.device)
+                    ctx.comm.all_reduce(failed, label="zero_memory: profiled step failed somewhere")
+                    if not failed.item():
                         break
                 row["categories_at_peak"] = prof.categories
                 row["categories_error"] = prof.categories_error
