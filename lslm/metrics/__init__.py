@@ -17,11 +17,16 @@ Measurement (CPU and CUDA alike; :mod:`.memory` is the entry point and re-export
   device: what a communication layout costs in copies; :func:`track_live_bytes`, the exact peak of the bytes
   a block of code holds at once (what building a model costs a rank at start);
 * :mod:`.malloc` - :func:`malloc_in_use_bytes`, what glibc's allocator has handed out now (``mallinfo2``): the
-  bytes nothing has to register, a saved view's storage included.
+  bytes nothing has to register, a saved view's storage included;
+* :mod:`.step_memory` - :func:`measure_step_memory`, one step by the allocator: live bytes before, the peak during
+  and after it (CUDA's caching allocator, or glibc sampled after every op), and PyTorch's memory profiler's bytes
+  by category at the peak.
 
 Formulas (pure functions, no processes):
 
 * :mod:`.activation_theory` - one transformer layer's activation bytes, Korthikanti et al. (2022) Table 2;
+* :mod:`.zero3_window` - ZeRO-3's gathered bytes at the step's peak from the units' sizes, and what freeing after
+  forward saves against keeping units gathered and against stage 2;
 * :mod:`.zero_estimates` - ZeRO's model-state bytes per device: the paper's formulas, lslm's exact count, and
   DeepSpeed's estimator rows re-derived from its conventions;
 * :mod:`.step_time` - bucketed DDP's step time: ring all-reduce cost, overlap with backward, where it turns
@@ -55,6 +60,7 @@ from lslm.metrics.memory import (
     reset_peak_memory,
     theory_model_state_bytes,
 )
+from lslm.metrics.step_memory import StepMemory, measure_step_memory
 from lslm.metrics.step_time import LinkCost, StepPrediction, predict_step, ring_all_reduce_s
 
 __all__ = [
@@ -68,6 +74,7 @@ __all__ = [
     "MemoryRegistry",
     "MemoryReport",
     "ModelStateBytes",
+    "StepMemory",
     "StepPrediction",
     "cost_coefficients",
     "count_allocations",
@@ -76,6 +83,7 @@ __all__ = [
     "korthikanti_layer_bytes",
     "layer_terms",
     "malloc_in_use_bytes",
+    "measure_step_memory",
     "memory_by_owner",
     "memory_report",
     "model_state_bytes",
