@@ -7,7 +7,9 @@ hardware preset with its numbers overridden (``--peak-tflops``, ``--efficiency``
 4 8`` lets the search choose context parallelism; ``--mixed autocast`` prices ``torch.autocast`` over fp32 weights
 instead of Megatron-style half weights with fp32 masters). ``--validate`` prints the time model against the
 committed bench step times instead (:mod:`lslm.plan.validate`), and the memory model against the H200 runs
-(:mod:`lslm.plan.validate_memory`). Bad input is refused through ``parser.error`` with the calculator's own
+(:mod:`lslm.plan.validate_memory`), the calibrated ``h200`` time model against the same runs' step times
+(:mod:`lslm.plan.validate_gpu`) and against published multi-GPU runs (:mod:`lslm.plan.published`). Bad input
+is refused through ``parser.error`` with the calculator's own
 message (what to change).
 """
 
@@ -22,8 +24,10 @@ from lslm.plan.hardware import PRECISIONS, Link, hardware_presets
 from lslm.plan.inputs import check_arguments, check_weights_fit, describe_flags
 from lslm.plan.layout import CP_METHODS, MIXED, OFFLOADS, RECOMPUTE, Layout
 from lslm.plan.model import ModelSpec, model_presets
+from lslm.plan.published import format_published, validate_published
 from lslm.plan.search import search, why_none_fit
 from lslm.plan.validate import format_validation, load_results, results_dir, validate
+from lslm.plan.validate_gpu import format_gpu_validation, validate_gpu
 from lslm.plan.validate_memory import format_memory_validation, load_gpu_rows, validate_memory
 
 __all__ = ["EPILOG", "add_arguments", "run"]
@@ -136,6 +140,14 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print("the calculator (mixed='autocast', flash attention) against lslm's GPT on one H200, bf16 autocast: "
                   "peak and states before the forward (memory_allocated)")
             print(format_memory_validation(validate_memory(gpu)))
+            print()
+            print("the calculator (h200 preset: GEMM, attention and AdamW efficiencies measured on one H200) against "
+                  "lslm's GPT step times on that H200 (not used to calibrate)")
+            print(format_gpu_validation(validate_gpu(gpu)))
+            print()
+            print("the calculator (a100-80gb / h100-sxm: the H200's efficiencies scaled by peak and bandwidth) "
+                  "against published multi-GPU runs (lslm.plan.published: each row's table, row and assumptions)")
+            print(format_published(validate_published()))
             return 0
         if ns.results is not None:
             parser.error("--results goes with --validate")

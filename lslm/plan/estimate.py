@@ -118,9 +118,11 @@ class Estimate:
                              f"{c.algorithm} on {c.n}: {c.formula}"))
         for name, term in self.times.items():
             rows.append(("time", name, term.formatted(), f"{term.formula}  [{term.source}]"))
+        calibrated = self.hardware.calibration is not None and self.layout.precision != "fp32"
         rows.append(("time", "MFU (model flops / peak)", f"{self.mfu:.1%}",
-                     f"flops without recompute over peak; compute assumed at {self.hardware.compute_efficiency:g} "
-                     "x peak"))
+                     "flops without recompute over peak; " + (
+                         f"each operation at its efficiency measured on the {self.hardware.calibration.name}"
+                         if calibrated else f"compute assumed at {self.hardware.compute_efficiency:g} x peak")))
         for v in self.verdicts:
             state = "COMMUNICATION-BOUND" if v.comm_bound else "compute-bound"
             rows.append(("roofline", v.axis, state, f"comm/compute = {v.ratio:.3f} {v.scope}"))
