@@ -77,3 +77,27 @@ def test_uneven_pipeline_stages():
         check_layout(model, Layout(pp=16))
     est = estimate(model, uneven, hardware_presets()["h100-sxm"])
     assert len(est.stages) == 16 and est.memory.stage == 1  # 15 micro-batches of 8 layers beat 16 of 7
+
+
+def test_search_tries_uneven_stages_and_zero_with_pp():
+    from lslm.plan.search import search, uneven_stages
+
+    assert uneven_stages(126, 16) == (7,) + (8,) * 14 + (7,)
+    assert uneven_stages(127, 16) == (7,) + (8,) * 15
+    assert uneven_stages(128, 16) is None and uneven_stages(120, 16) is None
+    model = ModelSpec(14, 256, 8, 1000, 128, micro_batch=1, global_batch=8)
+    hw = hardware_presets()["h100-sxm"]
+    found = search(model, hw, 8, micro_batches=(1,), recompute=("none",), virtual_stages=(1,), top=1000,
+                   zero_with_pp=True, max_tp=1)
+    assert any(e.layout.pp == 4 and e.layout.stage_layers == (3, 4, 4, 3) for e in found)
+    assert any(e.layout.pp > 1 and e.layout.zero >= 2 for e in found)
+
+
+def test_breakdown_reads_the_profiled_steps():
+    from lslm.plan.validate_gpu import BREAKDOWN_FILE, breakdown
+
+    data = json.loads((GPU / BREAKDOWN_FILE).read_text())
+    rows = breakdown(GPU)
+    assert [r["config"] for r in rows] == ["24 x 1024, b=8", "24 x 2048, b=8"]
+    assert rows[1]["step"][0] == data["gpt_24x2048_b8"]["step_s"]
+    assert rows[0]["gemm"][0] == data["gpt_24x1024_b8"]["kernel_s"]["gemm"]

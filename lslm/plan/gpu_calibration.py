@@ -19,8 +19,9 @@ One :class:`GpuCalibration` holds what ``bench/results/gpu/h200_2026-11-28.json`
   (28 bytes per parameter); log-linear in the parameter count, clamped (so 3.28 TB/s above 400M).
 * ``hbm_Bps``: the rate the model streams memory-bound elementwise work at (norms, activations, residual adds,
   casts, the loss's softmax over the vocabulary): the largest AdamW rate measured, 3.28 TB/s, the only streaming
-  rate in the file (68 % of the H200's 4.8 TB/s datasheet bandwidth). An assumption: no elementwise kernel was
-  timed on its own.
+  rate in the file (68 % of the H200's 4.8 TB/s datasheet bandwidth). An assumption: single elementwise ops
+  measured later (``h200_breakdown_2026-11-28.json``, not used here) stream at 2.1 (LayerNorm, log-softmax) to
+  4.2 TB/s (an fp32 add), around it.
 
 :meth:`GpuCalibration.scaled` carries the same efficiencies to another GPU (its own peak, its streaming rates
 scaled by its datasheet bandwidth over the H200's): what the ``h100-sxm`` and ``a100-80gb`` presets assume.
