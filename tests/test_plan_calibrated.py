@@ -101,3 +101,14 @@ def test_breakdown_reads_the_profiled_steps():
     assert [r["config"] for r in rows] == ["24 x 1024, b=8", "24 x 2048, b=8"]
     assert rows[1]["step"][0] == data["gpt_24x2048_b8"]["step_s"]
     assert rows[0]["gemm"][0] == data["gpt_24x1024_b8"]["kernel_s"]["gemm"]
+
+
+def test_precision_semantics_are_explicit():
+    from lslm.plan.calibrated import elementwise_bytes, optimizer_bytes
+
+    model = ModelSpec(4, 1024, 16, 50304, 2048)
+    autocast, masters = Layout(mixed="autocast"), Layout(mixed="masters")
+    assert (optimizer_bytes(autocast), optimizer_bytes(masters)) == (28, 30)  # + the half copy of the masters
+    h, f = 1024, 4096  # autocast: fp32 residual (2 norms 16h, 2 adds 24h), 2 casts 12h; masters: all half
+    assert elementwise_bytes(model, autocast)[0] == 16 * h + 24 * h + 12 * h + 2 * 2 * f + 4 * h
+    assert elementwise_bytes(model, masters)[0] == 8 * h + 12 * h + 2 * 2 * f + 4 * h

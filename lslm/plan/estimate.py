@@ -9,9 +9,10 @@ Limits, in one place: dense decoder-only transformers; Adam's states; 1F1B / int
 with one alpha-beta cost per link kind, or per algorithm where the link has its own fits (no hierarchical or
 tree algorithms, no congestion between concurrent groups); no overlap of tensor-parallel or pipeline
 communication (the context-parallel ring's overlap with attention is modelled); the optimizer step's time only
-where the hardware gives a streaming rate (the ``cpu-box`` does); memory fragmentation is
-``Hardware.reserved_bytes``, not modelled. Mixed precision is Megatron's half weights with fp32 masters, or
-``torch.autocast`` over fp32 weights (``Layout.mixed``, :mod:`.autocast`).
+where the hardware gives a streaming rate (the ``cpu-box`` does) or a GPU calibration (the GPU presets:
+:mod:`.calibrated` prices their half-precision compute operation by operation at measured efficiencies);
+memory fragmentation is ``Hardware.reserved_bytes``, not modelled. Mixed precision is Megatron's half weights
+with fp32 masters, or ``torch.autocast`` over fp32 weights (``Layout.mixed``, :mod:`.autocast`).
 """
 
 from __future__ import annotations

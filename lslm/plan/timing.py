@@ -11,6 +11,12 @@ recomputation's ``4/3`` assumes the replay runs in the forward's precision (lslm
 autocast: its fp32 replay took the H200 step to 7.5-9.6x, ``bench/results/gpu/``). A device does
 ``1/(t · cp)`` of its stage's layers' work (and of the head, vocabulary-parallel).
 
+**On calibrated hardware** (``hw.calibration``: the GPU presets) a micro-batch's half-precision compute is not
+``flops / rate``: :mod:`lslm.plan.calibrated` prices each GEMM by its shape, the attention by its sequence and
+head dimension, the elementwise work by the bytes it streams, each at a rate measured on an H200; the optimizer
+step at the measured fused-AdamW rate. With uneven stages (``Layout.stage_layers``) the slowest stage's
+micro-batch sets the pace.
+
 **The step** of the most loaded stage, 1F1B or interleaved, ``m`` micro-batches, ``T_mb`` one micro-batch's
 forward + backward (+ recompute) of the stage::
 
