@@ -56,7 +56,7 @@ vocabulary-parallel).
 from __future__ import annotations
 
 from lslm.metrics.activation_theory import korthikanti_layer_bytes
-from lslm.plan.layout import Layout
+from lslm.plan.layout import Layout, layers_on_stage
 from lslm.plan.model import ModelSpec
 
 __all__ = ["core_keeps_scores", "cp_element_size", "cp_units", "embedding_mask_bytes", "in_flight_layers",
@@ -144,9 +144,9 @@ def in_flight_layers(model: ModelSpec, layout: Layout, m: int, rank: int = 0) ->
     if not 0 <= rank < p:
         raise ValueError(f"rank {rank} is outside 0..{p - 1}")
     if v == 1:
-        return min(p - rank, m) * model.n_layer / p
+        return min(p - rank, m) * layers_on_stage(model, layout, rank)
     chunks = min((v - 1) * p + 2 * (p - 1 - rank) + 1, v * m)
-    return chunks * model.n_layer / (p * v)
+    return chunks * layers_on_stage(model, layout, rank) / v
 
 
 def in_flight_microbatches(layout: Layout, m: int, rank: int = 0) -> int:

@@ -51,7 +51,7 @@ from lslm.plan.activations import (
     layer_activation_bytes,
     layer_formula,
 )
-from lslm.plan.layout import Layout
+from lslm.plan.layout import Layout, layers_on_stage
 from lslm.plan.model import ModelSpec
 
 __all__ = ["AutocastActivations", "autocast_activations", "autocast_layer_bytes"]
@@ -111,7 +111,7 @@ def autocast_activations(model: ModelSpec, layout: Layout, m: int, stage: int, r
         formula += " + embedding dropout masks"
     # Half weight copies: one per layer-micro-batch in flight (each forward's own region), unless full
     # recomputation leaves them to the cache of the forward running now only (its stage's L/p layers).
-    stage_layers = model.n_layer / layout.pp
+    stage_layers = layers_on_stage(model, layout, stage)
     kept_copies = 0.0 if recompute == "full" else rank_layers * lin
     cached_copies = stage_layers * lin if recompute == "full" else kept_copies
     formula += (f" + half weight copies e·({'0' if recompute == 'full' else f'{rank_layers:g}'} x {lin:,} per layer"

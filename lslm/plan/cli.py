@@ -7,7 +7,9 @@ hardware preset with its numbers overridden (``--peak-tflops``, ``--efficiency``
 4 8`` lets the search choose context parallelism; ``--mixed autocast`` prices ``torch.autocast`` over fp32 weights
 instead of Megatron-style half weights with fp32 masters). ``--validate`` prints the time model against the
 committed bench step times instead (:mod:`lslm.plan.validate`), and the memory model against the H200 runs
-(:mod:`lslm.plan.validate_memory`). Bad input is refused through ``parser.error`` with the calculator's own
+(:mod:`lslm.plan.validate_memory`), the calibrated ``h200`` time model against the same runs' step times
+(:mod:`lslm.plan.validate_gpu`) and against published multi-GPU runs (:mod:`lslm.plan.published`). Bad input
+is refused through ``parser.error`` with the calculator's own
 message (what to change).
 """
 
@@ -22,8 +24,10 @@ from lslm.plan.hardware import PRECISIONS, Link, hardware_presets
 from lslm.plan.inputs import check_arguments, check_weights_fit, describe_flags
 from lslm.plan.layout import CP_METHODS, MIXED, OFFLOADS, RECOMPUTE, Layout
 from lslm.plan.model import ModelSpec, model_presets
+from lslm.plan.published import format_published, validate_published
 from lslm.plan.search import search, why_none_fit
 from lslm.plan.validate import format_validation, load_results, results_dir, validate
+from lslm.plan.validate_gpu import BREAKDOWN_FILE, breakdown, format_breakdown, format_gpu_validation, validate_gpu
 from lslm.plan.validate_memory import format_memory_validation, load_gpu_rows, validate_memory
 
 __all__ = ["EPILOG", "add_arguments", "run"]
@@ -84,8 +88,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "(18 bytes/param with fp32 main_grad, 16 with half gradients), half activations; "
                           "'autocast', torch.autocast over fp32 weights (16 bytes/param), activations a mix: the fp32 "
                           "residual, the weights' half copies, the loss's fp32 temporaries")
+    lay.add_argument("--stage-layers", type=int, nargs="+", default=None, metavar="N",
+                     help="layers of each pipeline stage, first to last (default: n_layer / pp each), e.g. 7 8 ... 8 7")
     lay.add_argument("--flash", action="store_true", help="fused attention: no s^2 activations kept")
     p.add_argument("--search", action="store_true", help="rank the layouts that fit --devices by step time")
+    p.add_argument("--zero-with-pp", action="store_true",
+                   help="with --search: also try ZeRO-2/3 with pipeline parallelism (no framework runs it by default)")
     p.add_argument("--search-cp", type=int, nargs="+", default=[1], metavar="CP",
                    help="context-parallel sizes --search tries, with --cp-method (default: 1)")
     p.add_argument("--top", type=int, default=10, help="layouts --search prints (default 10)")
@@ -136,6 +144,17 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print("the calculator (mixed='autocast', flash attention) against lslm's GPT on one H200, bf16 autocast: "
                   "peak and states before the forward (memory_allocated)")
             print(format_memory_validation(validate_memory(gpu)))
+            print()
+            print("the calculator (h200 preset: GEMM, attention and AdamW efficiencies measured on one H200) against "
+                  "lslm's GPT step times on that H200 (not used to calibrate)")
+            print(format_gpu_validation(validate_gpu(gpu)))
+            if (results_dir(ns.results) / "gpu" / BREAKDOWN_FILE).is_file():
+                print("where the time goes: one step's kernels profiled by kind on that H200 against the model")
+                print(format_breakdown(breakdown(results_dir(ns.results) / "gpu")))
+            print()
+            print("the calculator (a100-80gb / h100-sxm: the H200's efficiencies scaled by peak and bandwidth) "
+                  "against published multi-GPU runs (lslm.plan.published: each row's table, row and assumptions)")
+            print(format_published(validate_published()))
             return 0
         if ns.results is not None:
             parser.error("--results goes with --validate")
@@ -162,6 +181,7 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 parser.error("--search needs --devices (how many devices to lay the model out on)")
             check_weights_fit(model, hw, ns.devices, ns.precision, ns.mixed, describe_flags(ns))
             options: dict[str, Any] = dict(precision=ns.precision, flash_attention=ns.flash, mixed=ns.mixed,
+                                           zero_with_pp=ns.zero_with_pp,
                                            context_parallel=tuple(ns.search_cp), cp_methods=(ns.cp_method,))
             found = search(model, hw, ns.devices, top=ns.top, **options)
             if not found:
@@ -169,7 +189,9 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                       f"({hw.usable_bytes / 1e9:.1f} GB usable each): {why_none_fit(model, hw, ns.devices, **options)}")
                 return 1
             print(f"{model.name} on {ns.devices} x {hw.name}: the {len(found)} fastest layouts that fit "
-                  f"(compute at {hw.compute_efficiency:g} x peak; MFU is model flops over peak)")
+                  + ("(each operation at its efficiency measured on the " + hw.calibration.name
+                     if hw.calibration is not None and ns.precision != "fp32"
+                     else f"(compute at {hw.compute_efficiency:g} x peak") + "; MFU is model flops over peak)")
             for i, e in enumerate(found, 1):
                 print(f"{i:>3}. {e.layout.describe()}, micro-batch {e.model.micro_batch}: step {e.step_s:.3f} s, "
                       f"{e.peak_bytes / 1e9:.1f} GB on the most loaded device, MFU {e.mfu:.1%}")
@@ -183,7 +205,7 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         layout = Layout(dp=dp, dp_shard=ns.dp_shard, tp=ns.tp, pp=ns.pp, v=ns.v, cp=ns.cp, cp_method=ns.cp_method,
                         zero=ns.zero, offload=ns.offload, sequence_parallel=ns.sp, recompute=ns.recompute,
                         precision=ns.precision, flash_attention=ns.flash, regather=not ns.no_regather,
-                        mixed=ns.mixed)
+                        mixed=ns.mixed, stage_layers=tuple(ns.stage_layers) if ns.stage_layers else None)
         check_weights_fit(model, hw, ns.devices or layout.world, ns.precision, ns.mixed, describe_flags(ns))
         print(estimate(model, layout, hw, ns.devices).format())
         return 0

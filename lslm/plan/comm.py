@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from lslm.metrics.collective_costs import cost_coefficients
 from lslm.plan.activations import cp_element_size, cp_units
 from lslm.plan.hardware import Hardware, Link
-from lslm.plan.layout import Layout
+from lslm.plan.layout import Layout, layers_on_stage
 from lslm.plan.memory import replicated_params, stage_split
 from lslm.plan.model import ModelSpec
 from lslm.plan.states import bytes_per_element
@@ -166,7 +166,7 @@ def _dp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
         c, s = _calls(p, bucket)
         out.append(Collective("dp", "parameter all-gather", "all_gather_ring", s, n, c, link, "Ψ (p·Ψ)"))
     else:
-        layers = model.n_layer // layout.pp
+        layers = layers_on_stage(model, layout, stage)
         one = layer_part // layers
         pl, gl = width["parameters"] * one, width["gradients"] * one
         out += [Collective("dp", "layer all-gather (forward)", "all_gather_ring", pl, n, layers * m, link,
@@ -183,8 +183,8 @@ def _dp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
     if layout.dp_replicate > 1:  # HSDP: the above inside the shard group, then the slices across replicas
         out = [dataclasses.replace(c, axis="dp_shard") for c in out]
         if layout.zero == 3:  # one bucket per layer, and the root
-            per_layer = layer_part // (model.n_layer // layout.pp)
-            calls = [(width["gradients"] * per_layer / n, float(model.n_layer // layout.pp))]
+            per_layer = layer_part // (layers_on_stage(model, layout, stage))
+            calls = [(width["gradients"] * per_layer / n, float(layers_on_stage(model, layout, stage)))]
             calls += [(width["gradients"] * root / n, 1.0)] if root else []
         else:
             c, s = _calls(g, bucket)
@@ -202,7 +202,7 @@ def _tp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
     e = 4 if layout.precision == "fp32" else 2
     s, b, h = model.seq_len // layout.cp, model.micro_batch, model.hidden
     a = e * s * b * h
-    layers = model.n_layer // layout.pp
+    layers = layers_on_stage(model, layout, stage)
     fwd_passes = 2 if layout.recompute == "full" else 1
     out: list[Collective] = []
     if layout.sequence_parallel:
@@ -236,7 +236,7 @@ def _tp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
                 Collective("tp", "cross-entropy target logit + sum of exp", "all_reduce_ring", 8 * s * b, t, m, link,
                            "two fp32 per token, one call")]
     if model.kv_heads < t:  # each key/value head lives on t/kv ranks: their gradients are summed once per step
-        kv = 2 * model.hidden * model.kv_heads * model.head_dim * (model.n_layer // layout.pp)
+        kv = 2 * model.hidden * model.kv_heads * model.head_dim * (layers_on_stage(model, layout, stage))
         count, size = _calls(bytes_per_element(layout)["gradients"] * kv, layout.bucket_mb * 2**20)
         out.append(Collective("tp", "replicated key/value-head gradient sum", "all_reduce_ring", size, t, count, link,
                               "once per step: k and v weights, one slot per key/value head"))
@@ -277,7 +277,7 @@ def _cp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
     link = hw.link(c * layout.tp)
     uq, ukv = cp_units(model, layout)
     acc = 4 / cp_element_size(layout)  # the ring's dK/dV accumulators travel in fp32 (lslm.context_parallel.ring)
-    n = model.n_layer // layout.pp * m  # layer-micro-batches per step
+    n = layers_on_stage(model, layout, stage) * m  # layer-micro-batches per step
     passes = 1 if layout.recompute == "none" else 2  # recomputation reruns the attention core's forward
     if layout.cp_method == "ring":
         out = (Collective("cp", "ring K/V blocks (forward)", "p2p", 2 * ukv, c, (c - 1) * passes * n, link,

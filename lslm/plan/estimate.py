@@ -9,9 +9,10 @@ Limits, in one place: dense decoder-only transformers; Adam's states; 1F1B / int
 with one alpha-beta cost per link kind, or per algorithm where the link has its own fits (no hierarchical or
 tree algorithms, no congestion between concurrent groups); no overlap of tensor-parallel or pipeline
 communication (the context-parallel ring's overlap with attention is modelled); the optimizer step's time only
-where the hardware gives a streaming rate (the ``cpu-box`` does); memory fragmentation is
-``Hardware.reserved_bytes``, not modelled. Mixed precision is Megatron's half weights with fp32 masters, or
-``torch.autocast`` over fp32 weights (``Layout.mixed``, :mod:`.autocast`).
+where the hardware gives a streaming rate (the ``cpu-box`` does) or a GPU calibration (the GPU presets:
+:mod:`.calibrated` prices their half-precision compute operation by operation at measured efficiencies);
+memory fragmentation is ``Hardware.reserved_bytes``, not modelled. Mixed precision is Megatron's half weights
+with fp32 masters, or ``torch.autocast`` over fp32 weights (``Layout.mixed``, :mod:`.autocast`).
 """
 
 from __future__ import annotations
@@ -118,9 +119,11 @@ class Estimate:
                              f"{c.algorithm} on {c.n}: {c.formula}"))
         for name, term in self.times.items():
             rows.append(("time", name, term.formatted(), f"{term.formula}  [{term.source}]"))
+        calibrated = self.hardware.calibration is not None and self.layout.precision != "fp32"
         rows.append(("time", "MFU (model flops / peak)", f"{self.mfu:.1%}",
-                     f"flops without recompute over peak; compute assumed at {self.hardware.compute_efficiency:g} "
-                     "x peak"))
+                     "flops without recompute over peak; " + (
+                         f"each operation at its efficiency measured on the {self.hardware.calibration.name}"
+                         if calibrated else f"compute assumed at {self.hardware.compute_efficiency:g} x peak")))
         for v in self.verdicts:
             state = "COMMUNICATION-BOUND" if v.comm_bound else "compute-bound"
             rows.append(("roofline", v.axis, state, f"comm/compute = {v.ratio:.3f} {v.scope}"))

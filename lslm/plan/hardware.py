@@ -26,6 +26,7 @@ from typing import Any
 
 from lslm.metrics.flops import DEVICE_PEAKS
 from lslm.metrics.step_time import LinkCost
+from lslm.plan.gpu_calibration import H200_CALIBRATION, GpuCalibration
 
 __all__ = ["OPTIMIZER_BYTES", "PRECISIONS", "Hardware", "Link", "hardware_presets"]
 
@@ -133,6 +134,9 @@ class Hardware:
     #: bytes per second one process reads and writes its optimizer partition from and to disk
     #: (``Layout.offload = "disk"``); None: not timed
     disk_Bps: float | None = None
+    #: measured efficiencies (GEMMs by shape, attention, AdamW, streaming rate): where set, half-precision compute
+    #: is priced operation by operation (:mod:`lslm.plan.calibrated`) instead of at peak x compute_efficiency
+    calibration: GpuCalibration | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
@@ -186,12 +190,19 @@ class Hardware:
 
 
 def hardware_presets() -> dict[str, Hardware]:
-    """``h100-sxm``, ``a100-80gb`` (datasheet peaks and link bandwidths; alphas assumed) and ``cpu-box``.
+    """``h100-sxm``, ``a100-80gb``, ``h200`` (datasheet peaks and link bandwidths; alphas assumed) and ``cpu-box``.
+
+    Half-precision compute on the GPUs is priced by measured efficiencies (``calibration``,
+    :mod:`lslm.plan.calibrated`): ``h200``'s are those one H200 measured (:data:`~lslm.plan.gpu_calibration.
+    H200_CALIBRATION`: GEMMs by shape, flash attention, fused AdamW); ``h100-sxm`` and ``a100-80gb`` assume the
+    same fractions of their own peaks and the H200's streaming rates scaled by their HBM bandwidth (3.35 and
+    2.039 TB/s over 4.8): not measured on those GPUs. fp32 compute stays at peak x ``compute_efficiency``.
 
     * H100 SXM5 80 GB: 989 Tflop/s dense bf16/fp16, 67 Tflop/s fp32 (non-tensor); NVLink 4 at 900 GB/s
       both directions (450 GB/s each way); one 400 Gb/s InfiniBand NDR adapter per GPU (50 GB/s).
     * A100 SXM 80 GB: 312 Tflop/s dense bf16/fp16, 19.5 Tflop/s fp32; NVLink 3 at 600 GB/s (300 each way);
       one 200 Gb/s HDR adapter per GPU (25 GB/s).
+    * H200 SXM 141 GB: the H100's peaks and links (NVLink 4; one 400 Gb/s adapter per GPU assumed); 141e9 bytes.
     * ``cpu-box``: this course's 2-core CPU machine, gloo, fp32, every number calibrated from committed quiet
       measurements by :func:`lslm.plan.calibrate.calibrate_cpu_box` (rounded to 4 digits here; a test keeps
       them equal): the matmul rate of one thread, 74.08 Gflop/s, and a layer pass's fixed cost, 0.620 ms
@@ -209,10 +220,17 @@ def hardware_presets() -> dict[str, Hardware]:
     def peaks(gpu: str) -> dict[str, float]:  # lslm.metrics.flops' datasheet table, the precisions planned here
         return {p: DEVICE_PEAKS[gpu][p] for p in PRECISIONS}
 
+    # Only the H200 was measured: the H100 and A100 presets assume its efficiencies (GEMM, attention) at their
+    # own peaks and its streaming rates scaled by their datasheet HBM bandwidth over the H200's 4.8 TB/s.
     h100 = Hardware("H100 SXM 80GB", peaks("H100"), hbm_bytes=80 * GiB,
-                    devices_per_node=8, intra=Link(5e-6, 450e9), inter=Link(10e-6, 50e9), reserved_bytes=2 * GiB)
+                    devices_per_node=8, intra=Link(5e-6, 450e9), inter=Link(10e-6, 50e9), reserved_bytes=2 * GiB,
+                    calibration=H200_CALIBRATION.scaled("H100 SXM", peaks("H100")["bf16"], 3.35 / 4.8))
     a100 = Hardware("A100 SXM 80GB", peaks("A100"), hbm_bytes=80 * GiB,
-                    devices_per_node=8, intra=Link(5e-6, 300e9), inter=Link(10e-6, 25e9), reserved_bytes=2 * GiB)
+                    devices_per_node=8, intra=Link(5e-6, 300e9), inter=Link(10e-6, 25e9), reserved_bytes=2 * GiB,
+                    calibration=H200_CALIBRATION.scaled("A100 SXM", peaks("A100")["bf16"], 2.039 / 4.8))
+    h200 = Hardware("H200 SXM 141GB", peaks("H200"), hbm_bytes=141e9,
+                    devices_per_node=8, intra=Link(5e-6, 450e9), inter=Link(10e-6, 50e9), reserved_bytes=2 * GiB,
+                    calibration=H200_CALIBRATION)
     sizes = (4096.0, 65536.0, 1048576.0, 16777216.0, 67108864.0)  # collectives.json: 4 KiB-64 MiB
 
     def table(algorithm: str, n: int, ms: tuple[float, ...]) -> tuple[str, int, tuple[tuple[float, float], ...]]:
@@ -231,4 +249,4 @@ def hardware_presets() -> dict[str, Hardware]:
     cpu = Hardware("CPU box (gloo)", {"fp32": 74.08e9}, hbm_bytes=11 * GiB, devices_per_node=2, intra=two,
                    inter=four, dropout_mask_bytes=4, layer_overhead_s=(6.201e-4, 4.536e-4), optimizer_Bps=13.88e9,
                    cores=2, host_copy_Bps=3.942e9, disk_Bps=1.905e9)
-    return {"h100-sxm": h100, "a100-80gb": a100, "cpu-box": cpu}
+    return {"h100-sxm": h100, "a100-80gb": a100, "h200": h200, "cpu-box": cpu}

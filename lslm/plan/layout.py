@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from lslm.plan.hardware import PRECISIONS
 from lslm.plan.model import ModelSpec
 
-__all__ = ["CP_METHODS", "MIXED", "OFFLOADS", "OPTIMIZERS", "RECOMPUTE", "Layout", "check_layout", "microbatches"]
+__all__ = ["CP_METHODS", "MIXED", "OFFLOADS", "OPTIMIZERS", "RECOMPUTE", "Layout", "check_layout", "layers_on_stage",
+           "microbatches"]
 
 RECOMPUTE = ("none", "selective", "full")
 OFFLOADS = ("none", "cpu", "disk")
@@ -74,6 +75,9 @@ class Layout:
     cp_method: str = "ring"
     dp_shard: int | None = None
     mixed: str = "masters"
+    #: layers of each pipeline stage, first to last (None: ``n_layer / pp`` each); e.g. Llama 3 405B's 126 layers
+    #: on 16 stages, one fewer on the first and the last: ``(7,) + (8,) * 14 + (7,)``
+    stage_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "v", "cp"):
@@ -120,6 +124,12 @@ class Layout:
         if not 0 < self.bucket_mb < math.inf:
             raise ValueError(f"Layout.bucket_mb must be finite and > 0 (megabytes per data-parallel bucket), "
                              f"got {self.bucket_mb!r}")
+        if self.stage_layers is not None:
+            layers = tuple(self.stage_layers)
+            if len(layers) != self.pp or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in layers):
+                raise ValueError(f"Layout.stage_layers must give {self.pp} ints >= 1 (one per pipeline stage), "
+                                 f"got {self.stage_layers!r}")
+            object.__setattr__(self, "stage_layers", layers)
 
     @property
     def dp_shard_size(self) -> int:
@@ -145,7 +155,11 @@ class Layout:
         """A one-line summary, e.g. ``dp 16 x tp 8 x pp 8 (v 2), ZeRO-1, SP, recompute selective, bf16``."""
         dp = f"dp {self.dp}" + (f" (replicate {self.dp_replicate} x shard {self.dp_shard_size})"
                                 if self.dp_replicate > 1 else "")
-        parts = [dp, f"tp {self.tp}", f"pp {self.pp}" + (f" (v {self.v})" if self.v > 1 else "")]
+        pp = f"pp {self.pp}" + (f" (v {self.v})" if self.v > 1 else "")
+        if self.stage_layers is not None:
+            pp += f" (layers {self.stage_layers[0]}, {self.stage_layers[1] if self.pp > 2 else ''}..., " \
+                  f"{self.stage_layers[-1]})" if self.pp > 3 else f" (layers {self.stage_layers})"
+        parts = [dp, f"tp {self.tp}", pp]
         if self.cp > 1:
             parts.append(f"cp {self.cp} ({self.cp_method})")
         opts = [f"ZeRO-{self.zero}" if self.zero else "no ZeRO"]
@@ -179,7 +193,11 @@ def check_layout(model: ModelSpec, layout: Layout, devices: int | None = None) -
                          "tp a multiple of them)")
     if model.ffn % layout.tp:
         raise ValueError(f"the MLP width {model.ffn} must split evenly over tp={layout.tp}")
-    if model.n_layer % (layout.pp * layout.v):
+    if layout.stage_layers is not None:
+        if sum(layout.stage_layers) != model.n_layer:
+            raise ValueError(f"stage_layers {layout.stage_layers} hold {sum(layout.stage_layers)} layers, but the "
+                             f"model has n_layer={model.n_layer}: make them sum to it")
+    elif model.n_layer % (layout.pp * layout.v):
         raise ValueError(f"n_layer={model.n_layer} must be divisible by pp x v = {layout.pp} x {layout.v} "
                          "(every virtual stage holds the same number of layers)")
     if model.seq_len % (layout.cp * (layout.tp if layout.sequence_parallel else 1)):
@@ -198,3 +216,10 @@ def check_layout(model: ModelSpec, layout: Layout, devices: int | None = None) -
     if layout.v > 1 and m % layout.pp:
         raise ValueError(f"the interleaved schedule needs the micro-batches per step ({m}) to be a multiple of "
                          f"pp={layout.pp} (Narayanan et al. 2021 §2.2.2); change global_batch or micro_batch")
+
+
+def layers_on_stage(model: ModelSpec, layout: Layout, stage: int) -> int:
+    """Transformer layers pipeline stage ``stage`` holds: ``layout.stage_layers[stage]``, else ``n_layer / pp``."""
+    if layout.stage_layers is not None:
+        return layout.stage_layers[stage]
+    return model.n_layer // layout.pp

@@ -44,7 +44,7 @@ from lslm.plan.activations import (
     layer_formula,
 )
 from lslm.plan.autocast import autocast_activations
-from lslm.plan.layout import Layout
+from lslm.plan.layout import Layout, layers_on_stage
 from lslm.plan.model import ModelSpec
 from lslm.plan.params import param_parts
 from lslm.plan.states import ModelStates, bytes_per_element, model_states
@@ -82,7 +82,7 @@ def replicated_params(model: ModelSpec, layout: Layout, stage: int) -> int:
     tensor-parallel group once per step (Korthikanti et al. 2022, §4.2.2)."""
     h = model.hidden
     per_layer = (6 * h if model.bias else 2 * h) if model.arch == "gpt" else 2 * h
-    total = model.n_layer // layout.pp * per_layer
+    total = layers_on_stage(model, layout, stage) * per_layer
     if stage == 0:
         total += model.positions * h
     if stage == layout.pp - 1:
@@ -97,7 +97,7 @@ def stage_split(model: ModelSpec, layout: Layout, stage: int) -> tuple[int, int]
     if not 0 <= stage < p:
         raise ValueError(f"stage {stage} is outside 0..{p - 1}")
     h = model.hidden
-    layers = model.n_layer // p * layer_params_per_rank(model, t)
+    layers = layers_on_stage(model, layout, stage) * layer_params_per_rank(model, t)
     word = -(-model.vocab // t) * h  # vocabulary-parallel: ceil(V/t) rows (the last rank's padded)
     root = 0
     if stage == 0:
@@ -241,9 +241,12 @@ def stage_memory(model: ModelSpec, layout: Layout, m: int, stage: int, *, dp_ran
 
 def most_loaded(model: ModelSpec, layout: Layout, m: int, *,
                 mask_bytes: int = 1) -> tuple[StageMemory, list[StageMemory]]:
-    """The first and last stages' memory, and whichever needs more (module doc)."""
+    """The first and last stages' memory (every stage's with uneven ``Layout.stage_layers``), and whichever needs
+    more (module doc)."""
     stages = [stage_memory(model, layout, m, 0, mask_bytes=mask_bytes)]
-    if layout.pp > 1:
+    if layout.stage_layers is not None:  # uneven stages: any stage may be the most loaded
+        stages += [stage_memory(model, layout, m, s, mask_bytes=mask_bytes) for s in range(1, layout.pp)]
+    elif layout.pp > 1:
         stages.append(stage_memory(model, layout, m, layout.pp - 1, mask_bytes=mask_bytes))
     return max(stages, key=lambda s: s.total), stages
 

@@ -2,7 +2,9 @@
 
 :func:`search` enumerates ``tp`` (divisors of the heads, at most one node), ``cp`` (context parallelism, from
 ``context_parallel``: 1 by default, e.g. ``(1, 2, 4, 8)`` for long sequences; ring attention, or Ulysses where
-``cp_methods`` includes it), ``pp`` (divisors of the layers), ``v`` (virtual stages, interleaved),
+``cp_methods`` includes it), ``pp`` (divisors of the device count that divide the layers,
+or leave one or two layers short: then the first and last stages hold one fewer, :func:`uneven_stages`, without
+interleaving), ``v`` (virtual stages, interleaved),
 ``dp = devices / (tp · cp · pp)``, the ZeRO stage, recomputation and the
 micro-batch; sequence parallelism is on whenever ``tp > 1`` (it only saves memory at the same volume of
 communication, Korthikanti et al. 2022 §4.2.2). Every candidate goes through :func:`lslm.plan.estimate`, so
@@ -24,7 +26,7 @@ from lslm.plan.layout import Layout
 from lslm.plan.model import ModelSpec, model_presets
 from lslm.plan.terms import format_bytes_gb
 
-__all__ = ["SIZING_QUESTIONS", "search", "sizing_answers", "why_none_fit"]
+__all__ = ["SIZING_QUESTIONS", "search", "sizing_answers", "uneven_stages", "why_none_fit"]
 
 #: The course's sizing questions: a published model on a device count (our choice: GPT-3 on 1024 devices, the count
 #: Narayanan et al. 2021 §5.1 size its training on; Llama-2 70B on 8 nodes; Llama-3 8B on one node of 8).
@@ -33,6 +35,22 @@ SIZING_QUESTIONS = {"gpt3-175b": 1024, "llama2-70b": 64, "llama3-8b": 8}
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def uneven_stages(n_layer: int, pp: int) -> tuple[int, ...] | None:
+    """Layers per stage when ``n_layer`` does not divide over ``pp`` stages by one or two layers: ``ceil(L/p)``
+    each, one fewer on the first stage and, if two short, on the last (as Llama 3 put 126 layers on 16 stages:
+    the first holds the embedding and the most in-flight activations, the last the head and the loss); None when
+    the layers divide evenly or more than two are missing."""
+    per = -(-n_layer // pp)
+    short = per * pp - n_layer
+    if short == 0 or short > 2 or pp < short or per < 2:
+        return None
+    layers = [per] * pp
+    layers[0] -= 1
+    if short == 2:
+        layers[-1] -= 1
+    return tuple(layers)
 
 
 def search(model: ModelSpec, hardware: Hardware, devices: int, *, precision: str = "bf16",
@@ -70,14 +88,15 @@ def search(model: ModelSpec, hardware: Hardware, devices: int, *, precision: str
         pairs = [(c, m) for c in cps if (devices // tp) % c == 0 for m in (cp_methods if c > 1 else ("ring",))]
         for cp, method in pairs:
             for pp in _divisors(devices // (tp * cp)):
-                if model.n_layer % pp:
+                stages = uneven_stages(model.n_layer, pp)
+                if model.n_layer % pp and stages is None:
                     continue
                 dp = devices // (tp * cp * pp)
                 for mb in micro_batches:
                     if model.global_batch % (dp * mb):
                         continue
                     spec = model.with_batch(micro_batch=mb)
-                    for v in virtual_stages if pp > 1 else (1,):
+                    for v in virtual_stages if pp > 1 and stages is None else (1,):
                         for zero in zero_stages:
                             if zero and dp * cp == 1:
                                 continue  # ZeRO shards over data-parallel ranks: nothing to shard
@@ -86,7 +105,8 @@ def search(model: ModelSpec, hardware: Hardware, devices: int, *, precision: str
                             for rc in recompute:
                                 layout = Layout(dp=dp, tp=tp, pp=pp, v=v, cp=cp, cp_method=method, zero=zero,
                                                 sequence_parallel=tp > 1, recompute=rc, precision=precision,
-                                                mixed=mixed, flash_attention=flash_attention)
+                                                mixed=mixed, flash_attention=flash_attention,
+                                                stage_layers=stages)
                                 if rc == "selective" and not core_keeps_scores(layout, "none"):
                                     continue  # dominated by "none": the same bytes, more time
                                 try:

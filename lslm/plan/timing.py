@@ -11,6 +11,12 @@ recomputation's ``4/3`` assumes the replay runs in the forward's precision (lslm
 autocast: its fp32 replay took the H200 step to 7.5-9.6x, ``bench/results/gpu/``). A device does
 ``1/(t · cp)`` of its stage's layers' work (and of the head, vocabulary-parallel).
 
+**On calibrated hardware** (``hw.calibration``: the GPU presets) a micro-batch's half-precision compute is not
+``flops / rate``: :mod:`lslm.plan.calibrated` prices each GEMM by its shape, the attention by its sequence and
+head dimension, the elementwise work by the bytes it streams, each at a rate measured on an H200; the optimizer
+step at the measured fused-AdamW rate. With uneven stages (``Layout.stage_layers``) the slowest stage's
+micro-batch sets the pace.
+
 **The step** of the most loaded stage, 1F1B or interleaved, ``m`` micro-batches, ``T_mb`` one micro-batch's
 forward + backward (+ recompute) of the stage::
 
@@ -71,9 +77,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lslm.metrics.flops import training_flops
+from lslm.plan.calibrated import microbatch_times, optimizer_bytes, optimizer_seconds
 from lslm.plan.comm import AxisComm
 from lslm.plan.hardware import OPTIMIZER_BYTES, Hardware
-from lslm.plan.layout import Layout
+from lslm.plan.layout import Layout, layers_on_stage
 from lslm.plan.memory import stage_params
 from lslm.plan.model import ModelSpec
 from lslm.plan.states import bytes_per_element
@@ -137,10 +144,17 @@ class Verdict:
         return self.comm_s > self.compute_s
 
 
-def _stage_microbatch_s(model: ModelSpec, layout: Layout, hw: Hardware) -> tuple[float, float, float]:
-    """(forward+backward+recompute, backward, one layer's F+B+R) seconds of one micro-batch on one device of the
-    last pipeline stage (its layers and the head), each pass with its fixed cost (``hw.layer_overhead_s``; the
-    head and the loss count as one more layer's)."""
+def _stage_microbatch_s(model: ModelSpec, layout: Layout, hw: Hardware,
+                        stage: int | None = None) -> tuple[float, float, float]:
+    """(forward+backward+recompute, backward, one layer's F+B+R) seconds of one micro-batch on one device of
+    pipeline stage ``stage`` (default the last: its layers and the head), each pass with its fixed cost
+    (``hw.layer_overhead_s``; the head and the loss count as one more layer's)."""
+    stage = layout.pp - 1 if stage is None else stage
+    head = stage == layout.pp - 1
+    if hw.calibration is not None and layout.precision != "fp32":
+        t = microbatch_times(model, layout, hw.calibration, layers_on_stage(model, layout, stage), head=head,
+                             peak=hw.flops(layout.precision))
+        return t.total, t.backward, t.layer
     rate = hw.flops(layout.precision)
     fwd_fixed, bwd_fixed = hw.layer_overhead_s
     shard = layout.tp * layout.cp
@@ -148,8 +162,8 @@ def _stage_microbatch_s(model: ModelSpec, layout: Layout, hw: Hardware) -> tuple
     extra = {"none": 0.0, "selective": core, "full": mm + core}[layout.recompute]
     fixed_extra = fwd_fixed if layout.recompute == "full" else 0.0
     layer = (3 * (mm + core) + extra) / shard / rate + fwd_fixed + bwd_fixed + fixed_extra
-    layers = model.n_layer // layout.pp
-    head = 2 * model.micro_batch * model.seq_len * model.hidden * model.vocab / shard
+    layers = layers_on_stage(model, layout, stage)
+    head = 2 * model.micro_batch * model.seq_len * model.hidden * model.vocab / shard if head else 0.0
     total = layers * layer + 3 * head / rate + fwd_fixed + bwd_fixed
     backward = layers * (2 * (mm + core) / shard / rate + bwd_fixed) + 2 * head / rate + bwd_fixed
     return total, backward, layer
@@ -159,9 +173,11 @@ def optimizer_s(model: ModelSpec, layout: Layout, hw: Hardware) -> float | None:
     """Seconds of one optimizer step on a device of the last stage: the elements it updates (its stage's
     parameters, ``/dp`` under ZeRO, ``/dp_shard`` under HSDP) x :data:`~lslm.plan.hardware.OPTIMIZER_BYTES`
     over ``hw.optimizer_Bps``; None when the hardware has no such rate."""
+    elements = stage_params(model, layout, layout.pp - 1) / (layout.dp_shard_size * layout.cp if layout.zero else 1)
+    if hw.calibration is not None:
+        return optimizer_seconds(elements, layout, hw.calibration)
     if hw.optimizer_Bps is None:
         return None
-    elements = stage_params(model, layout, layout.pp - 1) / (layout.dp_shard_size * layout.cp if layout.zero else 1)
     return elements * OPTIMIZER_BYTES[layout.optimizer] / hw.optimizer_Bps
 
 
@@ -195,13 +211,19 @@ def core_share(layout: Layout, hw: Hardware) -> float:
 def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
               comm: dict[str, AxisComm]) -> tuple[dict[str, Term], list[Verdict]]:
     """Time terms of one step on the most loaded stage, and a verdict per axis (module doc)."""
-    # The last stage has the head on top of the same layers: it sets the pace of the pipeline.
+    # The last stage has the head on top of the same layers: it sets the pace of the pipeline; with uneven
+    # stages (Layout.stage_layers) the slowest stage does.
     t_mb, t_bwd, t_layer = _stage_microbatch_s(model, layout, hw)
+    if layout.stage_layers is not None:
+        t_mb, t_bwd, t_layer = max([(t_mb, t_bwd, t_layer)] + [_stage_microbatch_s(model, layout, hw, s)
+                                                               for s in range(layout.pp - 1)])
     p, v = layout.pp, layout.v
     compute = m * t_mb
     bubble = (p - 1) / v * t_mb
     fixed = hw.layer_overhead_s
-    what = "m · T_mb (6N-style flops + attention, at peak x efficiency" + (
+    what = "m · T_mb (each GEMM, attention and elementwise pass at its measured rate: lslm.plan.calibrated)" \
+        if hw.calibration is not None and layout.precision != "fp32" else \
+        "m · T_mb (6N-style flops + attention, at peak x efficiency" + (
         f"; + {fixed[0] * 1e3:.3g} / {fixed[1] * 1e3:.3g} ms per layer forward / backward)" if any(fixed) else ")")
     times = {"compute": Term("compute", compute, "s", what, NARAYANAN),
              "bubble": Term("pipeline bubble", bubble, "s", f"(p - 1)/v · T_mb = {(p - 1) / (v * m):.4f} of compute",
@@ -215,7 +237,7 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
     no_overlap = hw.cores is not None and layout.world >= hw.cores  # no free core runs communication meanwhile
     verdicts = []
     tp, pp, dp = comm["tp"], comm["pp"], comm["dp"]
-    layers = model.n_layer // p
+    layers = layers_on_stage(model, layout, p - 1)
     if tp is not None and tp.group > 1:
         times["tp"] = Term("tensor-parallel communication", tp.time_s, "s", "alpha-beta, not overlapped",
                            "Shoeybi et al. 2019; Korthikanti et al. 2022")
@@ -265,11 +287,16 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
                            f"{how}; {dp.time_s:.3g} s in all", "Rajbhandari et al. 2020; Li et al. 2020 §3.2.3")
     opt = optimizer_s(model, layout, hw)
     if opt is not None:
-        times["optimizer"] = Term("optimizer step", share * opt, "s",
-                                  f"elements x {OPTIMIZER_BYTES[layout.optimizer]} B ({layout.optimizer}) / "
-                                  f"{hw.optimizer_Bps / 1e9:.3g} GB/s" + (f" x {share:g} (core sharing)"
-                                                                          if share > 1 else ""),
-                                  "torch's single-tensor optimizer loop, bytes counted per element")
+        if hw.calibration is not None:
+            times["optimizer"] = Term("optimizer step", opt, "s",
+                                      f"elements x {optimizer_bytes(layout)} B (fused {layout.optimizer}) at the "
+                                      "measured AdamW rate", "lslm.plan.calibrated")
+        else:
+            times["optimizer"] = Term("optimizer step", share * opt, "s",
+                                      f"elements x {OPTIMIZER_BYTES[layout.optimizer]} B ({layout.optimizer}) / "
+                                      f"{hw.optimizer_Bps / 1e9:.3g} GB/s" + (f" x {share:g} (core sharing)"
+                                                                              if share > 1 else ""),
+                                      "torch's single-tensor optimizer loop, bytes counted per element")
     off = offload_s(model, layout, hw)
     if off is not None:
         host, disk = offload_bytes(model, layout)
@@ -295,7 +322,7 @@ def ring_block_flops(model: ModelSpec, layout: Layout) -> float:
 def _cp_exposed(model: ModelSpec, layout: Layout, hw: Hardware, m: int, cp: AxisComm,
                 t_layer: float) -> tuple[float, Verdict]:
     """Exposed context-parallel seconds per step and the cp verdict (module doc)."""
-    n = model.n_layer // layout.pp * m
+    n = layers_on_stage(model, layout, layout.pp - 1) * m
     if layout.cp_method == "ulysses":
         return cp.time_s, Verdict("cp", cp.time_s / n, t_layer,
                                   "per layer and micro-batch (Ulysses' all-to-alls, not overlapped)")

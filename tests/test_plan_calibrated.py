@@ -1,0 +1,114 @@
+"""The GPU-calibrated time model: the calibration at its measured points, the validation rows, uneven stages."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lslm.plan import estimate
+from lslm.plan.gpu_calibration import H200_CALIBRATION
+from lslm.plan.hardware import hardware_presets
+from lslm.plan.layout import Layout, check_layout, layers_on_stage
+from lslm.plan.memory import stage_params
+from lslm.plan.model import ModelSpec
+from lslm.plan.published import PUBLISHED_TOLERANCE, validate_published
+from lslm.plan.validate_gpu import GPU_TIME_TOLERANCE, validate_gpu
+from lslm.plan.validate_memory import MEMORY_TOLERANCE, load_gpu_rows
+
+GPU = Path(__file__).resolve().parents[1] / "bench" / "results" / "gpu"
+
+
+def test_calibration_reproduces_the_measured_tables_at_their_points():
+    data = json.loads((GPU / "h200_2026-11-28.json").read_text())
+    peak = data["peak_bf16_dense"]
+    assert H200_CALIBRATION.peak_flops == peak
+    for r in data["gemm"]:
+        got = H200_CALIBRATION.gemm_efficiency(r["gemm"], r["tokens"], r["n"], r["k"])
+        assert got == pytest.approx(r["tflops"] * 1e12 / peak, abs=5e-5)
+    for r in data["attention"]:
+        got = H200_CALIBRATION.attention_efficiency(r["seq"], r["head_dim"])
+        assert got == pytest.approx(r["tflops"] * 1e12 / peak, abs=5e-5)
+    for r in data["adamw"]:
+        assert H200_CALIBRATION.optimizer_Bps(r["params"]) == pytest.approx(r["gbytes_per_s"] * 1e9, rel=5e-5)
+    # between points: inside the neighbours' range; outside the table: its edge
+    mid = H200_CALIBRATION.gemm_efficiency("fc1", 4096, 4 * 1536, 1536)
+    corners = [H200_CALIBRATION.gemm_efficiency("fc1", t, 4 * h, h) for t in (2048, 8192) for h in (1024, 2048)]
+    assert min(corners) <= mid <= max(corners)
+    assert H200_CALIBRATION.attention_efficiency(10**6, 128) == H200_CALIBRATION.attention_efficiency(32768, 128)
+
+
+def test_single_gpu_step_times_and_peaks_are_what_the_module_reports():
+    rows = validate_gpu(load_gpu_rows(GPU))
+    assert len(rows) == 11
+    for r in rows:
+        assert r["error"] == pytest.approx(r["predicted_ms"] / r["measured_ms"] - 1)
+        assert abs(r["peak_error"]) <= MEMORY_TOLERANCE
+        if r["in_target"]:
+            assert abs(r["error"]) <= GPU_TIME_TOLERANCE, r
+        else:  # the fp32 replays of full recomputation: far slower than the bf16 replay the model prices
+            assert r["error"] < -0.5
+
+
+@pytest.fixture(scope="module")
+def published():
+    return validate_published()
+
+
+def test_published_runs_errors_and_verdicts(published):
+    assert len(published) >= 6 and len({r["source"].split(" Table")[0] for r in published}) >= 3
+    assert all(r["fits"] for r in published)  # each was trained
+    for r in published:
+        assert r["error"] == pytest.approx(r["predicted_s"] / r["published_s"] - 1)
+    missed = {r["source"] for r in published if abs(r["error"]) > PUBLISHED_TOLERANCE}
+    assert missed == {"Narayanan 2021 Table 1, 1.7B", "Llama 3 Table 4, 16,384 GPUs, TP 8 CP 1 PP 16 DP 128"}
+
+
+def test_uneven_pipeline_stages():
+    model = ModelSpec(126, 1024, 16, 32000, 1024, micro_batch=1, global_batch=32)
+    uneven = Layout(pp=16, stage_layers=(7,) + (8,) * 14 + (7,))
+    check_layout(model, uneven)
+    assert [layers_on_stage(model, uneven, s) for s in (0, 1, 15)] == [7, 8, 7]
+    assert stage_params(model, uneven, 1) < stage_params(model, uneven, 0)  # stage 0 also holds the embedding
+    with pytest.raises(ValueError, match="n_layer=126"):
+        check_layout(model, Layout(pp=16, stage_layers=(8,) * 16))
+    with pytest.raises(ValueError, match="16 ints"):
+        Layout(pp=16, stage_layers=(7, 8))
+    with pytest.raises(ValueError, match="divisible"):
+        check_layout(model, Layout(pp=16))
+    est = estimate(model, uneven, hardware_presets()["h100-sxm"])
+    assert len(est.stages) == 16 and est.memory.stage == 1  # 15 micro-batches of 8 layers beat 16 of 7
+
+
+def test_search_tries_uneven_stages_and_zero_with_pp():
+    from lslm.plan.search import search, uneven_stages
+
+    assert uneven_stages(126, 16) == (7,) + (8,) * 14 + (7,)
+    assert uneven_stages(127, 16) == (7,) + (8,) * 15
+    assert uneven_stages(128, 16) is None and uneven_stages(120, 16) is None
+    model = ModelSpec(14, 256, 8, 1000, 128, micro_batch=1, global_batch=8)
+    hw = hardware_presets()["h100-sxm"]
+    found = search(model, hw, 8, micro_batches=(1,), recompute=("none",), virtual_stages=(1,), top=1000,
+                   zero_with_pp=True, max_tp=1)
+    assert any(e.layout.pp == 4 and e.layout.stage_layers == (3, 4, 4, 3) for e in found)
+    assert any(e.layout.pp > 1 and e.layout.zero >= 2 for e in found)
+
+
+def test_breakdown_reads_the_profiled_steps():
+    from lslm.plan.validate_gpu import BREAKDOWN_FILE, breakdown
+
+    data = json.loads((GPU / BREAKDOWN_FILE).read_text())
+    rows = breakdown(GPU)
+    assert [r["config"] for r in rows] == ["24 x 1024, b=8", "24 x 2048, b=8"]
+    assert rows[1]["step"][0] == data["gpt_24x2048_b8"]["step_s"]
+    assert rows[0]["gemm"][0] == data["gpt_24x1024_b8"]["kernel_s"]["gemm"]
+
+
+def test_precision_semantics_are_explicit():
+    from lslm.plan.calibrated import elementwise_bytes, optimizer_bytes
+
+    model = ModelSpec(4, 1024, 16, 50304, 2048)
+    autocast, masters = Layout(mixed="autocast"), Layout(mixed="masters")
+    assert (optimizer_bytes(autocast), optimizer_bytes(masters)) == (28, 30)  # + the half copy of the masters
+    h, f = 1024, 4096  # autocast: fp32 residual (2 norms 16h, 2 adds 24h), 2 casts 12h; masters: all half
+    assert elementwise_bytes(model, autocast)[0] == 16 * h + 24 * h + 12 * h + 2 * 2 * f + 4 * h
+    assert elementwise_bytes(model, masters)[0] == 8 * h + 12 * h + 2 * 2 * f + 4 * h
