@@ -48,16 +48,10 @@ def measure_block(block: nn.Module, x: torch.Tensor, *, allocator: bool = True) 
     return {"saved_bytes": act.bytes, "flops": flops.get_total_flops(), "allocator_bytes": by_allocator}
 
 
-def _allocator_bytes(block: nn.Module, x: torch.Tensor, repeats: int = 3) -> int | None:
-    # the least of a few readings: another thread's allocations (a notebook kernel's) can only add to one
-    readings = []
-    for _ in range(repeats):
-        got, nodes = saved_by_allocator(lambda: block(x.clone()))
-        del nodes
-        if got is None:
-            return None
-        readings.append(got)
-    return min(readings)
+def _allocator_bytes(block: nn.Module, x: torch.Tensor) -> int | None:
+    got, nodes = saved_by_allocator(lambda: block(x.clone()), repeats=3)
+    del nodes
+    return got
 
 
 def _replay_state_bytes(mode: str, device: torch.device) -> int:

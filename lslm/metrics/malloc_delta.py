@@ -49,17 +49,28 @@ class MallocDelta:
         self.bytes = None if after is None or self.before is None else after - self.before
 
 
-def saved_by_allocator(forward: Callable[[], Any]) -> tuple[int | None, list[Any]]:
+def saved_by_allocator(forward: Callable[[], Any], repeats: int = 1) -> tuple[int | None, list[Any]]:
     """The allocator's bytes for what ``forward()``'s graph keeps for backward, and the kept ``grad_fn`` nodes.
 
     ``forward`` returns a tensor or a tuple of tensors (``None`` entries allowed). Its outputs are dropped and
     only their ``grad_fn`` kept, so the figure is the saved tensors (each storage whole, an input included when
     ``forward`` made that input itself, e.g. by a clone) plus the graph's nodes and the chunk headers of each
-    allocation. Hold the returned nodes as long as the graph must live; ``None`` bytes off glibc.
+    allocation. With ``repeats > 1`` the forward runs that many times, each graph freed before the next, and
+    the least reading counts: another thread's allocations (a notebook kernel's, gloo's) only ever add to one.
+    Hold the returned nodes (the last run's) as long as the graph must live; ``None`` bytes off glibc.
     """
-    with MallocDelta() as delta:
-        out = forward()
-        outs = out if isinstance(out, tuple) else (out,)
-        nodes = [t.grad_fn for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        del out, outs
-    return delta.bytes, nodes
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    least: int | None = None
+    nodes: list[Any] = []
+    for _ in range(repeats):
+        nodes = []  # the previous graph goes before the next reading starts
+        with MallocDelta() as delta:
+            out = forward()
+            outs = out if isinstance(out, tuple) else (out,)
+            nodes = [t.grad_fn for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+            del out, outs
+        if delta.bytes is None:
+            return None, nodes
+        least = delta.bytes if least is None else min(least, delta.bytes)
+    return least, nodes
