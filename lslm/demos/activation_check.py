@@ -15,7 +15,9 @@ dropout, so any ``dropout_p > 0`` falls back to the math path anyway).
 
 :func:`tp_worker` measures the same block per rank after ``apply_tensor_parallel``, for
 several tensor-parallel sizes in one launch, sequence parallelism off and on; :func:`run`
-puts serial and tensor-parallel measurements in one table for the notebook.
+puts serial and tensor-parallel measurements in one table for the notebook. Both also read glibc's
+allocator around one more forward of the block (:func:`~lslm.metrics.malloc_delta.saved_by_allocator`): the
+bytes its graph holds, nothing registered, on each rank.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 
 from lslm.metrics.activation_theory import adapted_layer_bytes, korthikanti_layer_bytes, layer_terms
 from lslm.metrics.activations import ActivationMemory
+from lslm.metrics.malloc_delta import saved_by_allocator
 from lslm.metrics.storage import storage_of
 
 __all__ = ["attention_backend", "block_config", "run", "saved_tensors", "serial_layer", "table", "plot",
@@ -125,6 +128,17 @@ def _measure(fn: Callable[[], torch.Tensor], model: nn.Module, attention: str
         return act, saved_tensors(fn, exclude=model)
 
 
+def _allocator_bytes(block: nn.Module, x: torch.Tensor, attention: str) -> int | None:
+    """Glibc's figure for what ``block``'s graph keeps (``x`` cloned inside, so the block input it saves counts as
+    the hooks count it); ``None`` off glibc or off the CPU. Run after the counted forwards: first calls are behind."""
+    if x.device.type != "cpu":
+        return None
+    with attention_backend(attention):
+        got, nodes = saved_by_allocator(lambda: block(x.clone()), repeats=3)
+    del nodes
+    return got
+
+
 def _block_input(s: int, b: int, h: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed + 1)
     return torch.randn(b, s, h, generator=g)  # lslm: cpu-ok (seeded CPU generator; callers move it)
@@ -157,6 +171,7 @@ def serial_layer(s: int = 64, b: int = 2, h: int = 64, a: int = 8, *, dropout: f
     options = dict(dropout=dropout > 0, attention=attention)
     return {"config": "serial", "t": 1, "sequence_parallel": False, "s": s, "b": b, "h": h, "a": a,
             "measured_bytes": act.bytes, "difference_bytes": whole[2] - whole[1], "saved": rows,
+            "allocator_bytes": _allocator_bytes(model.blocks[0], x, attention),
             "adapted_bytes": adapted_layer_bytes(s, b, h, a, **options),
             "paper_bytes": korthikanti_layer_bytes(s, b, h, a),
             "paper_fp32_bytes": korthikanti_layer_bytes(s, b, h, a, act_bytes=4, mask_bytes=4)}
@@ -228,12 +243,13 @@ def _measure_tp(pctx: Any, mode: str, s: int, b: int, h: int, a: int, dropout: f
     # worker *with* a backward aborted at exit ("terminate called without an active exception",
     # SIGABRT in native code) in about 1 of 15 runs on torch 2.13 / gloo; cause not found yet.
     del y
+    allocator = _allocator_bytes(model.blocks[0], x, attention)
     # Float dropout noise on the CPU, a bool mask from the fused kernel elsewhere (not measured here).
     options = dict(dropout=dropout > 0, attention=attention, regather=regather,
                    mask_bytes=4 if pctx.device.type == "cpu" else 1)
     return {"config": f"t={t}" + {"tp": "", "sp": " +SP", "sp-keep-gathered": " +SP (keep)"}[mode],
             "mode": mode, "t": t, "tp_rank": pctx.tp_rank, "sequence_parallel": sp, "regather": regather,
-            "s": s, "b": b, "h": h, "a": a, "measured_bytes": act.bytes,
+            "s": s, "b": b, "h": h, "a": a, "measured_bytes": act.bytes, "allocator_bytes": allocator,
             "adapted_bytes": adapted_layer_bytes(s, b, h, a, t, sp, **options),
             "paper_bytes": korthikanti_layer_bytes(s, b, h, a, t, sp),
             "paper_fp32_bytes": korthikanti_layer_bytes(s, b, h, a, t, sp, act_bytes=4, mask_bytes=4), "saved": rows}
@@ -245,8 +261,9 @@ def run(s: int = 64, b: int = 2, h: int = 64, a: int = 8, tps: tuple[int, ...] =
     (SP off and on): one row per configuration.
 
     Each row: ``config``, ``t``, ``sequence_parallel``, ``measured_bytes`` (rank 0; the
-    test checks every rank), ``adapted_bytes``, ``paper_bytes`` and the ratios
-    ``measured / adapted`` and ``measured / paper``. The workers run on the CPU with gloo
+    test checks every rank), ``allocator_bytes`` (glibc's figure for the same block's graph on that rank,
+    :func:`~lslm.metrics.malloc_delta.saved_by_allocator`; ``None`` off glibc), ``adapted_bytes``,
+    ``paper_bytes`` and the ratios ``measured / adapted`` and ``measured / paper``. The workers run on the CPU with gloo
     whatever the machine: the accounting is that of fp32 on the CPU (float dropout noise).
     """
     from lslm.launcher.launch import launch
@@ -275,30 +292,36 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The rows of :func:`run` as a fixed-width text table (bytes per layer per rank).
 
     Columns: measured; the adapted formula (our tensors); the paper's Table 2 (2-byte
-    activations, 1-byte masks); the paper's list of tensors at our widths (4 and 4 bytes).
+    activations, 1-byte masks); the paper's list of tensors at our widths (4 and 4 bytes); with
+    allocator figures (CPU, glibc), glibc's bytes for the same graph and its excess over ``measured``.
     """
+    alloc = all(r.get("allocator_bytes") is not None for r in rows)
     head = (f"{'configuration':<14}{'measured':>11}{'adapted':>11}{'/adapted':>9}{'paper':>10}{'/paper':>8}"
-            f"{'paper@fp32':>12}{'/paper@fp32':>12}")
+            f"{'paper@fp32':>12}{'/paper@fp32':>12}" + (f"{'allocator':>11}{'/measured':>10}" if alloc else ""))
     lines = [head, "-" * len(head)]
     for r in rows:
         m = r["measured_bytes"]
         lines.append(f"{r['config']:<14}{m:>11,}{r['adapted_bytes']:>11,}{m / r['adapted_bytes']:>9.4f}"
                      f"{r['paper_bytes']:>10,.0f}{m / r['paper_bytes']:>8.3f}"
-                     f"{r['paper_fp32_bytes']:>12,.0f}{m / r['paper_fp32_bytes']:>12.4f}")
+                     f"{r['paper_fp32_bytes']:>12,.0f}{m / r['paper_fp32_bytes']:>12.4f}"
+                     + (f"{r['allocator_bytes']:>11,}{r['allocator_bytes'] / m:>10.3f}" if alloc else ""))
     return "\n".join(lines)
 
 
 def plot(rows: list[dict[str, Any]]) -> Any:
-    """Bars per configuration: measured, adapted formula, the paper's (2-byte) formula, in KiB; returns the figure."""
+    """Bars per configuration: measured, the allocator's figure (where there is one), adapted formula, the paper's
+    (2-byte) formula, in KiB; returns the figure."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4.2), dpi=80)
     x = range(len(rows))
-    w = 0.27
     series = [("measured_bytes", "measured (fp32, CPU)"), ("adapted_bytes", "adapted formula (our tensors, fp32)"),
               ("paper_bytes", "Korthikanti et al. Table 2 (2-byte)")]
+    if all(r.get("allocator_bytes") is not None for r in rows):
+        series.insert(1, ("allocator_bytes", "glibc allocator (mallinfo2)"))
+    w = 0.8 / len(series)
     for k, (key, label) in enumerate(series):
-        ax.bar([i + (k - 1) * w for i in x], [r[key] / 1024 for r in rows], w, label=label)
+        ax.bar([i + (k - (len(series) - 1) / 2) * w for i in x], [r[key] / 1024 for r in rows], w, label=label)
     r0 = rows[0]
     ax.set(xticks=list(x), xticklabels=[r["config"] for r in rows], xlabel="configuration (t = tensor-parallel size)",
            ylabel="activation memory per layer per rank (KiB)",

@@ -3,8 +3,9 @@
 * :func:`model_state_bytes_by_convention`: one real training step of the baseline GPT in
   each way of keeping model states (fp32; half weights with fp32 masters and ``main_grad``,
   ZeRO's half gradients, the Playbook's extra fp32 gradient copy; pure bf16), counted by
-  :func:`lslm.precision.bytes.bytes_per_param` next to the convention it should equal;
-* :func:`activation_bytes_by_mode`: what autograd saves in one forward, per mode;
+  :func:`lslm.precision.bytes.bytes_per_param` next to the convention it should equal, and what glibc's allocator
+  says the same setup and step left behind (:class:`lslm.metrics.malloc_delta.MallocDelta`);
+* :func:`activation_bytes_by_mode`: what autograd saves in one forward, per mode, counted and by the allocator;
 * :func:`mode_step_time_ratios`: step time per mode, as ratios to fp32 (interleaved, medians).
 
 The model, data and optimizer are :mod:`lslm.demos.precision_demo`'s (the serial recipe's).
@@ -22,6 +23,7 @@ from lslm.demos.precision_demo import HALF_DTYPES, demo_batches, demo_config, op
 from lslm.harness.bench_runner import Timing, Variant, run_variants
 from lslm.harness.timer import StepTimer
 from lslm.metrics.activations import ActivationMemory
+from lslm.metrics.malloc_delta import MallocDelta, saved_by_allocator
 from lslm.precision import CONVENTIONS, PRECISION_MODES, bytes_per_param, prepare_precision
 from lslm.recipes.train import build_model
 
@@ -45,20 +47,39 @@ def model_state_bytes_by_convention(batch_size: int = 8, seed: int = 0, **model:
     parameter by memory category, and ``total``), ``num_params``. Counted after backward and
     the step, before the next ``zero_grad`` (gradients alive, as at the step's peak); Adam's
     4-byte ``step`` counter per parameter tensor is left out (it does not scale with Ψ).
+
+    ``allocator``: glibc's figure for the same thing, per parameter (``None`` off glibc): the bytes its
+    allocator handed out for building the model and its optimizer and running that step, still held after it
+    (:class:`~lslm.metrics.malloc_delta.MallocDelta`), everything included that the count leaves out (Python's
+    module and optimizer objects, Adam's step counters, chunk headers). ``allocator_excess_bytes``: that figure
+    minus the count, in bytes. Every setup runs once unmeasured first: the first step of a kind allocates for good
+    (kernel and thread caches) what would otherwise land in its figure.
     """
     cfg = demo_config(batch_size, seed, model)
     x, y = demo_batches(cfg, 1)[0]
-    rows = []
-    for name, (mode, kw) in CONVENTION_SETUPS.items():
+
+    def one_step(mode: str, kw: dict[str, Any]) -> Any:
         setup = prepare_precision(build_model(cfg), mode, optimizer_factory(cfg), **kw)
         setup.optimizer.zero_grad()
         setup.optimizer.backward(setup.model(x, y)[1])
         setup.optimizer.step(max_grad_norm=cfg.grad_clip)
+        return setup
+
+    for mode, kw in CONVENTION_SETUPS.values():
+        one_step(mode, kw)
+    rows = []
+    for name, (mode, kw) in CONVENTION_SETUPS.items():
+        with MallocDelta() as held:
+            setup = one_step(mode, kw)
         measured = bytes_per_param(setup.model, setup.optimizer)
         conv = CONVENTIONS[name]
+        counted = measured.total * measured.num_params
         rows.append({"convention": name, "mode": mode, "source": conv.source, "num_params": measured.num_params,
                      "measured": {**measured.per_param(), "total": measured.total},
-                     "expected": {**conv.by_category(), "total": conv.total}})
+                     "expected": {**conv.by_category(), "total": conv.total},
+                     "allocator": None if held.bytes is None else held.bytes / measured.num_params,
+                     "allocator_excess_bytes": None if held.bytes is None else held.bytes - counted})
+        del setup
     return rows
 
 
@@ -90,8 +111,10 @@ def activation_bytes_by_mode(batch_size: int = 8, seed: int = 0, with_loss: bool
                              **model: Any) -> list[dict[str, Any]]:
     """Bytes autograd saves in one forward (:class:`ActivationMemory`) of fp32, fp16 and bf16 models and autocast bf16.
 
-    Rows: ``mode``, ``bytes``, ``ratio_to_fp32``, ``by_dtype`` (bytes per saved dtype) and
-    ``weight_copy_bytes`` (saved half copies of weights: autocast's casts, 0 otherwise).
+    Rows: ``mode``, ``bytes``, ``ratio_to_fp32``, ``by_dtype`` (bytes per saved dtype),
+    ``weight_copy_bytes`` (saved half copies of weights: autocast's casts, 0 otherwise) and
+    ``allocator_bytes``: a second forward's graph measured by glibc's allocator instead
+    (:func:`~lslm.metrics.malloc_delta.saved_by_allocator`; its nodes and chunk headers included, ``None`` off glibc).
     ``with_loss``: include the loss (the model's fp32 logits and cross-entropy's fp32
     log-softmax) or stop at the logits.
     """
@@ -103,8 +126,15 @@ def activation_bytes_by_mode(batch_size: int = 8, seed: int = 0, with_loss: bool
         cast = torch.autocast("cpu", dtype=torch.bfloat16) if mode.startswith("autocast") else nullcontext()
         with _SavedByKind(gpt) as act, cast:
             gpt(x, y if with_loss else None)
+
+        def forward(gpt: nn.Module = gpt, cast: Any = cast) -> Any:
+            with cast:
+                return gpt(x, y if with_loss else None)
+
+        allocator, nodes = saved_by_allocator(forward)
+        del nodes
         rows.append({"mode": mode, "bytes": act.bytes, "by_dtype": act.by_dtype,
-                     "weight_copy_bytes": act.weight_copy_bytes})
+                     "weight_copy_bytes": act.weight_copy_bytes, "allocator_bytes": allocator})
     for r in rows:
         r["ratio_to_fp32"] = r["bytes"] / rows[0]["bytes"]
     return rows

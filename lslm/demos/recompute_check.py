@@ -3,11 +3,14 @@
 For each mode of :func:`~lslm.tensor_parallel.recompute.apply_recompute` (``none``, ``selective``,
 ``full``) one GPT block runs forward and backward on a fixed input: the bytes it keeps for
 backward are counted with :class:`~lslm.metrics.ActivationMemory` (fp32 CPU, float dropout noise),
-its matmul flops with ``torch.utils.flop_counter.FlopCounterMode``; the formulas are
+its matmul flops with ``torch.utils.flop_counter.FlopCounterMode``; on CPU, glibc's allocator measures the
+same bytes again (:func:`~lslm.metrics.malloc_delta.saved_by_allocator`: what the block's graph holds, nothing
+registered), beside the random states each replayed region keeps (not a tensor autograd saves, so outside the
+hooks' count and the formula). The formulas are
 :func:`~lslm.metrics.activation_theory.recompute_layer_bytes` and
 :func:`~lslm.metrics.activation_theory.recompute_extra_flops`. :func:`serial_rows` measures on one
-process, :func:`tp_worker` on each rank of a tensor-parallel group (with or without sequence
-parallelism), :func:`table` prints the rows.
+process (:func:`allocator_rows`: the allocator's figure alone, at larger sizes), :func:`tp_worker` on each rank
+of a tensor-parallel group (with or without sequence parallelism), :func:`table` prints the rows.
 """
 
 from __future__ import annotations
@@ -21,20 +24,42 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lslm.metrics.activation_theory import recompute_extra_flops, recompute_layer_bytes
 from lslm.metrics.activations import ActivationMemory
+from lslm.metrics.malloc_delta import saved_by_allocator
 from lslm.tensor_parallel.recompute import RECOMPUTE_MODES, apply_recompute, recompute
 
-__all__ = ["AUTOCAST_DTYPES", "autocast_rows", "autocast_table", "measure_block", "serial_rows", "table", "tp_rows",
-           "tp_worker"]
+__all__ = ["AUTOCAST_DTYPES", "allocator_excess", "allocator_rows", "autocast_rows", "autocast_table", "measure_block",
+           "serial_rows", "table", "tp_rows", "tp_worker"]
 
 
-def measure_block(block: nn.Module, x: torch.Tensor) -> dict[str, int]:
-    """Bytes ``block(x)`` keeps for backward (its parameters left out) and matmul flops of forward + backward."""
+def measure_block(block: nn.Module, x: torch.Tensor, *, allocator: bool = True) -> dict[str, int | None]:
+    """Bytes ``block(x)`` keeps for backward (its parameters left out) and matmul flops of forward + backward.
+
+    ``allocator_bytes``: the same forward's graph measured by glibc's allocator (``None`` off glibc, off the
+    CPU or with ``allocator=False``), run last so that first-call allocations are behind it; ``x`` is cloned
+    inside the measured region, so an input the block keeps (full recomputation's) is counted as the hooks
+    count it.
+    """
     with ActivationMemory(block) as act:
         y = block(x)
     y.sum().backward()
     with FlopCounterMode(display=False) as flops:
         block(x).sum().backward()
-    return {"saved_bytes": act.bytes, "flops": flops.get_total_flops()}
+    by_allocator = _allocator_bytes(block, x) if allocator and x.device.type == "cpu" else None
+    return {"saved_bytes": act.bytes, "flops": flops.get_total_flops(), "allocator_bytes": by_allocator}
+
+
+def _allocator_bytes(block: nn.Module, x: torch.Tensor) -> int | None:
+    got, nodes = saved_by_allocator(lambda: block(x.clone()), repeats=3)
+    del nodes
+    return got
+
+
+def _replay_state_bytes(mode: str, device: torch.device) -> int:
+    # one ForwardState per replayed region (a block's attention core, or the block): the CPU generator's state,
+    # and the device's on CUDA (a tensor-parallel tracker's streams add theirs: tp_rows measures no allocator figure)
+    if mode == "none":
+        return 0
+    return torch.get_rng_state().nbytes + (torch.cuda.get_rng_state(device).nbytes if device.type == "cuda" else 0)
 
 
 def _config(s: int, b: int, h: int, a: int, dropout: float) -> Any:
@@ -43,11 +68,12 @@ def _config(s: int, b: int, h: int, a: int, dropout: float) -> Any:
     return GPTConfig(vocab_size=64, block_size=s, n_layer=1, n_head=a, n_embd=h, dropout=dropout)
 
 
-def _rows(measured: dict[str, dict[str, int]], s: int, b: int, h: int, a: int, t: int, sp: bool,
-          options: dict[str, Any]) -> list[dict[str, Any]]:
+def _rows(measured: dict[str, dict[str, Any]], s: int, b: int, h: int, a: int, t: int, sp: bool,
+          options: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
     base = measured["none"]["flops"]
     return [{"mode": mode, "t": t, "sequence_parallel": sp, "s": s, "b": b, "h": h, "a": a,
-             "saved_bytes": m["saved_bytes"],
+             "saved_bytes": m["saved_bytes"], "allocator_bytes": m["allocator_bytes"],
+             "replay_state_bytes": _replay_state_bytes(mode, device),
              "formula_bytes": recompute_layer_bytes(s, b, h, a, t, sp, mode=mode, **options),
              "extra_flops": m["flops"] - base, "formula_extra_flops": recompute_extra_flops(s, b, h, t, mode=mode)}
             for mode, m in measured.items()]
@@ -64,7 +90,31 @@ def serial_rows(s: int = 64, b: int = 2, h: int = 64, a: int = 4, *, dropout: fl
         torch.manual_seed(seed)
         model = apply_recompute(GPT(_config(s, b, h, a, dropout)).train(), mode)
         measured[mode] = measure_block(model.blocks[0], x.clone().requires_grad_())
-    return _rows(measured, s, b, h, a, 1, False, dict(dropout=dropout > 0))
+    return _rows(measured, s, b, h, a, 1, False, dict(dropout=dropout > 0), x.device)
+
+
+def allocator_rows(s: int = 128, b: int = 2, h: int = 128, a: int = 4, *, dropout: float = 0.1,
+                   seed: int = 0) -> list[dict[str, Any]]:
+    """Glibc's figure for one block's graph in each mode against the formula, without the hooks and flop counts of
+    :func:`serial_rows` (cheap at larger sizes, where autograd's per-node bookkeeping is a smaller share).
+
+    Rows: ``mode``, ``s``, ``b``, ``h``, ``a``, ``formula_bytes``, ``allocator_bytes`` (``None`` off glibc),
+    ``replay_state_bytes``; :func:`allocator_excess` reads them.
+    """
+    from lslm.models.gpt import GPT
+
+    x = torch.randn(b, s, h, generator=torch.Generator().manual_seed(seed + 1))  # lslm: cpu-ok (glibc: CPU only)
+    x.requires_grad_()
+    rows = []
+    for mode in RECOMPUTE_MODES:
+        torch.manual_seed(seed)
+        block = apply_recompute(GPT(_config(s, b, h, a, dropout)).train(), mode).blocks[0]
+        block(x.clone()).sum().backward()  # first-call allocations out of the way
+        rows.append({"mode": mode, "s": s, "b": b, "h": h, "a": a,
+                     "formula_bytes": recompute_layer_bytes(s, b, h, a, mode=mode, dropout=dropout > 0),
+                     "allocator_bytes": _allocator_bytes(block, x), "replay_state_bytes": _replay_state_bytes(
+                         mode, x.device)})
+    return rows
 
 
 def tp_worker(s: int = 32, b: int = 2, h: int = 32, a: int = 4, dropout: float = 0.1,
@@ -96,22 +146,37 @@ def tp_rows(ctx: Any, s: int = 32, b: int = 2, h: int = 32, a: int = 4, *, dropo
             x = x.to(ctx.device)
             if sp:  # the GPT runs sequence-first under sequence parallelism: this rank's (s/t, b, h) slice
                 x = x.transpose(0, 1).chunk(t, dim=0)[ctx.tp_rank]
-            measured[mode] = measure_block(model.blocks[0], x.contiguous().requires_grad_())
+            measured[mode] = measure_block(model.blocks[0], x.contiguous().requires_grad_(), allocator=False)
         options = dict(dropout=dropout > 0, mask_bytes=4 if ctx.device.type == "cpu" else 1)
-        rows += _rows(measured, s, b, h, a, t, sp, options)
+        rows += _rows(measured, s, b, h, a, t, sp, options, ctx.device)
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """A fixed-width table of :func:`serial_rows` / :func:`tp_worker` rows: per block, measured vs formula."""
-    head = (f"{'mode':<10}{'t':>3}{'SP':>4}{'saved B/block':>15}{'formula':>12}{'extra flops':>14}"
-            f"{'formula':>14}")
+    """A fixed-width table of :func:`serial_rows` / :func:`tp_worker` rows: per block, measured vs formula.
+
+    With allocator figures (CPU, glibc), three more columns: ``allocator`` (the graph's bytes by glibc),
+    ``replay state`` (the random states each replayed region keeps) and ``vs formula``, the allocator's excess
+    over the formula after the replay state, in percent: what is left is autograd's nodes and chunk headers.
+    """
+    alloc = all(r.get("allocator_bytes") is not None for r in rows)
+    head = (f"{'mode':<10}{'t':>3}{'SP':>4}{'saved B/block':>15}{'formula':>12}"
+            + (f"{'allocator':>12}{'replay state':>14}{'vs formula':>12}" if alloc else "")
+            + f"{'extra flops':>14}{'formula':>14}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['mode']:<10}{r['t']:>3}{'yes' if r['sequence_parallel'] else 'no':>4}"
-                     f"{r['saved_bytes']:>15,}{r['formula_bytes']:>12,}{r['extra_flops']:>14,}"
-                     f"{r['formula_extra_flops']:>14,}")
+        line = (f"{r['mode']:<10}{r['t']:>3}{'yes' if r['sequence_parallel'] else 'no':>4}"
+                f"{r['saved_bytes']:>15,}{r['formula_bytes']:>12,}")
+        if alloc:
+            line += (f"{r['allocator_bytes']:>12,}{r['replay_state_bytes']:>14,}"
+                     f"{allocator_excess(r):>+11.1%} ")
+        lines.append(line + f"{r['extra_flops']:>14,}{r['formula_extra_flops']:>14,}")
     return "\n".join(lines)
+
+
+def allocator_excess(row: dict[str, Any]) -> float:
+    """(allocator bytes - replay state - formula) / formula for one row: the graph's own bookkeeping, relative."""
+    return (row["allocator_bytes"] - row["replay_state_bytes"] - row["formula_bytes"]) / row["formula_bytes"]
 
 
 #: The half-precision dtypes :func:`autocast_rows` runs under ``torch.autocast``.

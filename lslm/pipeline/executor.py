@@ -219,6 +219,7 @@ class PipelineExecutor:
                 offset += p.numel()
         if self.memory is not None:
             self.memory.observe()
+            self.memory.note_gradients(p for s in self.stages.values() for p in s.module.parameters())
         for s in self.stages.values():
             s.finish()
         leftover = [str(k) for d in (st.recv_in, st.recv_grad, st.handover, st.to_send) for k in d]
