@@ -302,7 +302,7 @@ def test_plan_commands_as_written(in_tmp: Path) -> None:
 def test_gpu_check_dry_run_as_written(in_tmp: Path) -> None:
     rc, out = _run_lslm(shlex.split(GPU_CHECK_DRY_RUN))
     assert rc == 0 and "lslm gpu-check: OK" in out, out
-    assert len(list((in_tmp / "runs" / "gpu-check").glob("dry-run_*.json"))) == 1
+    assert len(list((in_tmp / "runs" / "gpu-check").glob("gpu-check_dry-run_*.json"))) == 1
 
 
 def test_python_block(in_tmp: Path) -> None:
