@@ -189,7 +189,7 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                       f"({hw.usable_bytes / 1e9:.1f} GB usable each): {why_none_fit(model, hw, ns.devices, **options)}")
                 return 1
             print(f"{model.name} on {ns.devices} x {hw.name}: the {len(found)} fastest layouts that fit "
-                  + ("(each operation at its efficiency measured on the " + hw.calibration.name
+                  + ("(each operation at " + hw.calibration.provenance()
                      if hw.calibration is not None and ns.precision != "fp32"
                      else f"(compute at {hw.compute_efficiency:g} x peak") + "; MFU is model flops over peak)")
             for i, e in enumerate(found, 1):

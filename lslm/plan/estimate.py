@@ -122,7 +122,7 @@ class Estimate:
         calibrated = self.hardware.calibration is not None and self.layout.precision != "fp32"
         rows.append(("time", "MFU (model flops / peak)", f"{self.mfu:.1%}",
                      "flops without recompute over peak; " + (
-                         f"each operation at its efficiency measured on the {self.hardware.calibration.name}"
+                         f"each operation at {self.hardware.calibration.provenance()}"
                          if calibrated else f"compute assumed at {self.hardware.compute_efficiency:g} x peak")))
         for v in self.verdicts:
             state = "COMMUNICATION-BOUND" if v.comm_bound else "compute-bound"

@@ -65,6 +65,13 @@ class GpuCalibration:
     adamw: tuple[tuple[float, float], ...]  #: (parameters, bytes/s) of fused AdamW
     hbm_Bps: float  #: streaming rate of memory-bound elementwise work
     source: str = ""
+    measured_on: str = ""  #: the GPU the efficiencies were measured on, when it is not ``name`` (:meth:`scaled`)
+
+    def provenance(self) -> str:
+        """Where the efficiencies come from, for printed tables: measured on this GPU, or scaled from another."""
+        if not self.measured_on or self.measured_on == self.name:
+            return f"its efficiency measured on the {self.name}"
+        return f"the efficiency measured on the {self.measured_on}, scaled to the {self.name} (assumed)"
 
     def gemm_efficiency(self, kind: str, tokens: float, n: float, k: float) -> float:
         """Fraction of peak of a bf16 GEMM ``(tokens x k) @ (k x n)`` priced as ``kind`` (module doc)."""
@@ -92,7 +99,8 @@ class GpuCalibration:
     def scaled(self, name: str, peak_flops: float, bandwidth_ratio: float) -> GpuCalibration:
         """The same efficiencies on another GPU: its ``peak_flops``; the streaming rates times
         ``bandwidth_ratio`` (its datasheet HBM bandwidth over this GPU's). An assumption, not a measurement."""
-        return replace(self, name=name, peak_flops=peak_flops, hbm_Bps=self.hbm_Bps * bandwidth_ratio,
+        return replace(self, name=name, measured_on=self.measured_on or self.name, peak_flops=peak_flops,
+                       hbm_Bps=self.hbm_Bps * bandwidth_ratio,
                        adamw=tuple((p, r * bandwidth_ratio) for p, r in self.adamw),
                        source=f"{self.source}, scaled to {name} (peak {peak_flops / 1e12:g} Tflop/s, "
                               f"bandwidth x {bandwidth_ratio:.3g})")
