@@ -56,12 +56,13 @@ def saved_by_allocator(forward: Callable[[], Any], repeats: int = 1) -> tuple[in
     only their ``grad_fn`` kept, so the figure is the saved tensors (each storage whole, an input included when
     ``forward`` made that input itself, e.g. by a clone) plus the graph's nodes and the chunk headers of each
     allocation. With ``repeats > 1`` the forward runs that many times, each graph freed before the next, and
-    the least reading counts: another thread's allocations (a notebook kernel's, gloo's) only ever add to one.
+    the median reading counts: another thread (a notebook kernel's, gloo's) may allocate or free during one
+    reading, rarely during most of them.
     Hold the returned nodes (the last run's) as long as the graph must live; ``None`` bytes off glibc.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    least: int | None = None
+    readings: list[int] = []
     nodes: list[Any] = []
     for _ in range(repeats):
         nodes = []  # the previous graph goes before the next reading starts
@@ -72,5 +73,5 @@ def saved_by_allocator(forward: Callable[[], Any], repeats: int = 1) -> tuple[in
             del out, outs
         if delta.bytes is None:
             return None, nodes
-        least = delta.bytes if least is None else min(least, delta.bytes)
-    return least, nodes
+        readings.append(delta.bytes)
+    return sorted(readings)[len(readings) // 2], nodes
