@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["at_least", "world_sizes"]
+__all__ = ["at_least", "comma_world_sizes", "world_sizes"]
 
 
 def at_least(name: str, value: Any, minimum: int) -> int:
@@ -37,3 +37,15 @@ def world_sizes(nprocs: Sequence[Any], minimum: int = 1, why: str = "") -> tuple
     if repeated:
         raise ValueError(f"world sizes (nprocs) must not repeat (each is one launch and one table), got {sizes}")
     return sizes
+
+
+def comma_world_sizes(text: str) -> tuple[int, ...]:
+    """An argparse ``type`` for a comma-separated list of world sizes (``"2,4"``): each an integer >= 1, none
+    repeated; a bad list is an ``argparse.ArgumentTypeError`` that shows the form expected."""
+    import argparse
+
+    try:
+        return world_sizes([int(s) for s in text.split(",")])
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"world sizes like 2,4 (integers >= 1, comma-separated), got {text!r}: "
+                                         f"{err}") from None

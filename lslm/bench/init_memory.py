@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lslm.bench.checks import comma_world_sizes
 from lslm.launcher.launch import launch
 from lslm.metrics.allocations import track_live_bytes
 from lslm.models.gpt import GPT, GPTConfig
@@ -148,15 +149,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Command line: run :func:`run`, print the table, write ``--out`` (``.txt`` and ``.json``)."""
     parser = argparse.ArgumentParser(prog="python -m lslm.bench.init_memory", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="bench/results/init_memory", help="path without extension")
-    parser.add_argument("--sizes", default="1,2,4", help="world sizes, comma-separated")
+    parser.add_argument("--sizes", type=comma_world_sizes, default="1,2,4", help="world sizes, comma-separated")
     parser.add_argument("--quick", action="store_true", help="a tiny model (a smoke run, not the committed table)")
     args = parser.parse_args(argv)
-    try:
-        sizes = tuple(int(s) for s in args.sizes.split(","))
-    except ValueError:
-        parser.error(f"--sizes takes world sizes like 1,2,4, got {args.sizes!r}")
-    if any(n < 1 for n in sizes):
-        parser.error(f"--sizes must be positive, got {args.sizes!r}")
+    sizes = args.sizes
     model = QUICK_MODEL if args.quick else BENCH_MODEL
     records = run(model, sizes=sizes)
     text = table(records)
