@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch.autograd.profiler import record_function
 
+from lslm.runtime.completion import WorkWrapper
+
 __all__ = ["CALL_PREFIX", "WAIT_PREFIX", "CommRange", "TracedWork", "comm_ranges", "parse_range", "profiling",
            "range_name"]
 
@@ -89,7 +91,7 @@ def comm_ranges(names: Sequence[str]) -> Iterator[None]:
         yield
 
 
-class TracedWork:
+class TracedWork(WorkWrapper):
     """A work handle whose ``wait()`` runs inside the ``lslm.wait:`` ranges of its calls.
 
     Everything else (``is_completed``, ``get_future``, any attribute) is forwarded to the wrapped
@@ -97,7 +99,7 @@ class TracedWork:
     """
 
     def __init__(self, work: Any, wait_names: Sequence[str]) -> None:
-        self._work = work
+        super().__init__(work)
         self._names = list(wait_names)
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
@@ -106,19 +108,3 @@ class TracedWork:
             return self._work.wait(*args, **kwargs)
         with comm_ranges(self._names):
             return self._work.wait(*args, **kwargs)
-
-    def is_completed(self) -> bool:
-        """As ``Work.is_completed``."""
-        return bool(self._work.is_completed())
-
-    def get_future(self) -> Any:
-        """The wrapped work's future (for DDP communication hooks)."""
-        return self._work.get_future()
-
-    @property
-    def work(self) -> Any:
-        """The wrapped work."""
-        return self._work
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)

@@ -134,7 +134,36 @@ def resolve(value: Any) -> Any:
     return value.time() if isinstance(value, Completion) else value
 
 
-class TimedWork:
+class WorkWrapper:
+    """A ``torch.distributed`` work handle wrapped to add something around ``wait()``: ``is_completed``,
+    ``get_future`` (DDP communication hooks need it), ``work`` and any other attribute reach the wrapped work.
+    Subclasses (:class:`TimedWork`, :class:`lslm.runtime.comm_trace.TracedWork`) override what they add to."""
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        """As ``Work.wait``."""
+        return self._work.wait(*args, **kwargs)
+
+    def is_completed(self) -> bool:
+        """As ``Work.is_completed``."""
+        return bool(self._work.is_completed())
+
+    def get_future(self) -> Any:
+        """The wrapped work's future (for DDP communication hooks)."""
+        return self._work.get_future()
+
+    @property
+    def work(self) -> Any:
+        """The wrapped work."""
+        return self._work
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class TimedWork(WorkWrapper):
     """A ``torch.distributed`` work handle that stamps its records' completion time.
 
     Behaves like the wrapped work (``wait``, ``is_completed``, ``get_future`` and
@@ -144,7 +173,7 @@ class TimedWork:
 
     def __init__(self, work: Any, completions: Sequence[Completion], device: torch.device | None,
                  p2p: bool = False) -> None:
-        self._work = work
+        super().__init__(work)
         self._completions = list(completions)
         self._device = device
         future = None
@@ -174,15 +203,3 @@ class TimedWork:
         if done:
             stamp(self._completions, self._device)
         return done
-
-    def get_future(self) -> Any:
-        """The wrapped work's future (for DDP communication hooks)."""
-        return self._work.get_future()
-
-    @property
-    def work(self) -> Any:
-        """The wrapped ``torch.distributed`` work."""
-        return self._work
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
