@@ -83,6 +83,8 @@ def test_published_rows_model_what_was_run():
     # Megatron-LM 2021: the data-parallel all-reduce follows the backward, exposed whole (one micro-batch per step)
     nar = rows["Narayanan 2021 Table 1, 1.7B"]
     assert not nar.layout.dp_overlap
+    with pytest.raises(ValueError, match="dp_overlap"):
+        Layout(dp_overlap="no")
     est = estimate(nar.model, nar.layout, hw["a100-80gb"])
     overlapped = estimate(nar.model, replace(nar.layout, dp_overlap=True), hw["a100-80gb"])
     assert overlapped.times["dp"].value == 0.0
