@@ -20,7 +20,10 @@ paper's throughput is turned into seconds per step with the paper's own flop cou
   tokens/s per GPU) and ``benchmarks/llama3_h100_202412_torchtitan.md`` Tables 1 and 3 (8 and 128 H100 96 GB
   HBM2e at 500 W, the eager ``FSDP`` rows): step = local batch x 8,192 tokens / tokens/s per GPU. The H100 rows
   are outside the target (``outside``: their GPU's rates are unknown, and torchtitan's op-level selective
-  checkpointing is not a mode of the calculator), printed with the reason.
+  checkpointing is not a mode of the calculator), printed with the reason. Read in pytorch/torchtitan:
+  ``docs/performance.md`` at 0413364 (the "Llama 3 performance numbers" table, row "8B | 1 | selective op | 2973"),
+  ``benchmarks/llama3_h100_202412_torchtitan.md`` at 31a17bf (Tables 1 and 3, row "FSDP"), and the sequence and
+  checkpointing options from ``train_configs/llama3_8b.toml`` at 0011fb9 ("seq_len = 8192", "selective" / "op").
 
 ``error = predicted / published - 1`` on the step time (the throughput's error is ``1/(1 + error) - 1``).
 :func:`validate_published` reports every row, met or not; ``fits`` must be True for each row in the target (they
@@ -166,7 +169,7 @@ TORCHTITAN: tuple[PublishedRun, ...] = (
 )
 
 
-#: The rows (module doc): Narayanan 2021 Table 1 (4 rows), Korthikanti 2022 (4), Llama 3 Table 4 (2).
+#: The rows (module doc): Narayanan 2021 Table 1 (4 rows), Korthikanti 2022 (4), Llama 3 Table 4 (2), torchtitan (3).
 PUBLISHED: tuple[PublishedRun, ...] = (
     _narayanan(24, 2304, 24, 1, 1, 32, 512, 137, 16, "1.7B"),
     _narayanan(40, 6144, 48, 8, 1, 256, 1024, 135, 8, "18.4B"),
