@@ -70,6 +70,23 @@ def test_after_the_forward_no_saved_tensor_holds_a_released_unit() -> None:
     assert held[False] - held[True] == unit_bytes > 0
 
 
+def test_prefetch_sets_how_many_units_are_whole_at_once() -> None:
+    """The root, the unit computing and ``prefetch`` units gathered ahead of it (0: none), counted by the gathers'
+    own bookkeeping over one step of a small GPT of 4 blocks."""
+    with fake_world(0, 2):
+        for prefetch, whole in ((0, 2), (1, 3), (2, 4)):
+            torch.manual_seed(0)
+            model = GPT(GPTConfig.tiny(n_layer=4, vocab_size=64, block_size=8, n_embd=16))
+            zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters()), _ctx(2, 0), stage=3,
+                                 prefetch=prefetch)
+            x = torch.randint(0, 64, (2, 8))
+            zero.zero_grad()
+            zero.backward(model(x, x)[1])
+            zero.step()
+            assert zero.gather.max_buckets_gathered == whole, (prefetch, zero.gather.max_buckets_gathered)
+            assert zero.gather.storage_bytes() == 0
+
+
 def test_offloaded_gradients_land_before_the_host_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """The order by construction: every copy into the host buffers is issued, then waited for, then the host steps;
     on the CPU path no torch.cuda function is called (the copies are synchronous, the wait has nothing to do)."""
