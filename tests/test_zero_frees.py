@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from lslm.demos.zero_demo import MODEL
+from lslm.demos.zero_demo import MODEL, zero3_memory_timeline
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import RankGrid
@@ -85,6 +85,20 @@ def test_prefetch_sets_how_many_units_are_whole_at_once() -> None:
             zero.step()
             assert zero.gather.max_buckets_gathered == whole, (prefetch, zero.gather.max_buckets_gathered)
             assert zero.gather.storage_bytes() == 0
+
+
+def test_the_memory_profiler_sees_the_freed_units() -> None:
+    """PyTorch's memory profiler, one stage-3 step of notebook 08's GPT (lslm.demos.zero_demo.zero3_memory_timeline):
+    the step peaks at the loss (every activation alive, the logits' gradient made, no block gathered again yet), where
+    kept gathered holds every block's bucket and stage 3 none, so their parameter bytes differ by exactly the blocks'
+    buckets; and the timeline carries lslm's collectives: the root's gather, each block's two, five reduce-scatters."""
+    freed, kept = zero3_memory_timeline(), zero3_memory_timeline(reshard_after_forward=False)
+    blocks = GPT(GPTConfig(**MODEL)).blocks
+    assert len(blocks) == 4 and all(sum(p.numel() for p in b.parameters()) % 2 == 0 for b in blocks)  # no padding
+    assert kept.peak()["parameter"] - freed.peak()["parameter"] == sum(4 * p.numel() for p in blocks.parameters())
+    for tl in (freed, kept):
+        ops = [name.split()[0].rsplit(":", 1)[-1] for name, _, _ in tl.ranges]
+        assert (ops.count("all_gather"), ops.count("reduce_scatter")) == (9, 5) if tl is freed else (5, 5), ops
 
 
 def test_offloaded_gradients_land_before_the_host_steps(monkeypatch: pytest.MonkeyPatch) -> None:
