@@ -170,7 +170,11 @@ _TT_H100 = ("the file's own facts (its Hardware section, footnote 2): H100s with
             "eager (no torch.compile, no float8; 1D, so no async TP): the same table's torch.compile row is 16 % "
             "faster (6,667 TPS): what compiling fuses (eager runs RoPE as fp32 complex products, "
             "torchtitan/models/llama/model.py) the elementwise model already counts as one pass. About the "
-            "same error at 8 and 128 GPUs puts the gap in the GPU and its kernels, not the network")
+            "same error at 8 and 128 GPUs puts the gap in the GPU and its kernels, not the network. The peak "
+            "below the reported one: torchtitan logs the allocator's maximum reserved (max_reserved_gib), and its "
+            "loss is cross_entropy on an fp32 copy of the bf16 logits (pred.flatten(0, 1).float()), whose "
+            "log-softmax output and gradients are more fp32 b s V tensors (7.8 GiB each at local batch 2) beside "
+            "the one the calculator counts")
 
 
 #: torchtitan's published benchmarks (the issue's "115-176 % too fast" and "does NOT fit" rows)
