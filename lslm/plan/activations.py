@@ -12,6 +12,9 @@ tensor + sequence parallel + selective      ``sbh/t · 34``
 full recompute                              ``2 sbh`` (``2 sbh / t`` with sequence parallelism)
 ==========================================  ==================================
 
+(``recompute="op"``, torchtitan's op-level selective checkpointing, keeps its own list:
+:mod:`lslm.plan.op_sac`.)
+
 The first three are :func:`lslm.metrics.activation_theory.korthikanti_layer_bytes`; selective recompute drops the
 ``5as^2b`` (softmax, its dropout mask, the dropped probabilities), and so does a flash-attention kernel (it keeps
 O(s) statistics, not counted). So with ``flash_attention`` (or ``cp > 1``) selective recomputation has nothing left
@@ -58,6 +61,7 @@ from __future__ import annotations
 from lslm.metrics.activation_theory import korthikanti_layer_bytes
 from lslm.plan.layout import Layout, layers_on_stage
 from lslm.plan.model import ModelSpec
+from lslm.plan.op_sac import op_layer_bytes
 
 __all__ = ["core_keeps_scores", "cp_element_size", "cp_units", "embedding_mask_bytes", "in_flight_layers",
            "in_flight_microbatches", "last_stage_extra_bytes", "layer_activation_bytes", "layer_formula"]
@@ -71,7 +75,7 @@ def core_keeps_scores(layout: Layout, recompute: str | None = None) -> bool:
     """Whether the attention core keeps its ``s^2`` tensors for backward: not when they are recomputed
     (``"selective"``), not with a flash kernel, not with context parallelism (module doc)."""
     recompute = layout.recompute if recompute is None else recompute
-    return not (recompute == "selective" or layout.flash_attention or layout.cp > 1)
+    return not (recompute in ("selective", "op") or layout.flash_attention or layout.cp > 1)
 
 
 def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute: str | None = None, *,
@@ -91,6 +95,8 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, recompute: str | No
     region = t if sp else 1  # the LayerNorm / dropout region: replicated, or split along the sequence
     if recompute == "full":
         return e * s * b * h / region
+    if recompute == "op":  # torchtitan's op-level selective checkpointing: its own list of kept tensors
+        return op_layer_bytes(model, layout)
     attention_core = 1 if core_keeps_scores(layout, recompute) else 0
     # Without re-gathering, the two column-parallel layers keep their gathered input: e·sbh each, not split.
     kept_whole = 2 * e * s * b * h * (1 - 1 / t) if sp and not layout.regather else 0.0
@@ -116,6 +122,8 @@ def layer_formula(model: ModelSpec, layout: Layout, recompute: str | None = None
     sp = layout.sequence_parallel
     if recompute == "full":
         return "2sbh/t (full recompute, SP)" if sp else "2sbh (full recompute)"
+    if recompute == "op":
+        return "op-level selective: block input, every other matmul's output, attention output (lslm.plan.op_sac)"
     if model.arch != "gpt":
         return "Korthikanti §4.1's tensors adapted to GQA + SwiGLU, no dropout (ours)" + _cp_note(layout)
     core = not core_keeps_scores(layout, recompute)

@@ -24,7 +24,9 @@ its own rate (:mod:`lslm.plan.gpu_calibration`), per device (``t`` tensor-parall
   ``36 V/t`` bytes per token: the fp32 copy of the half logits (6), log-softmax (8), the loss's gradient (4),
   log-softmax's backward (12), the cast back (6). Tensor-parallel ranks each do their shard (``/t``).
 * **Recomputation**: selective repeats the attention's forward (``1/3.5`` of its time), full the whole layer's
-  forward (GEMMs, attention, elementwise).
+  forward (GEMMs, attention, elementwise); ``"op"`` (torchtitan's op-level selective) the GEMMs whose outputs
+  it does not keep, each at its own shape's efficiency, and the layer's elementwise forward, not the attention
+  (:mod:`lslm.plan.op_sac`).
 * **The optimizer**: fused AdamW, ``28`` bytes per element it updates (fp32 parameter, gradient, two moments: read
   4 x 4, write 3 x 4) under autocast, ``30`` with half weights and fp32 masters (``+ 2``: the half copy written),
   at the measured AdamW rate for that many elements. SGD is priced at AdamW's rate with its own bytes (4 x 4).
@@ -42,6 +44,7 @@ from lslm.plan.gpu_calibration import GpuCalibration
 from lslm.plan.layout import Layout
 from lslm.plan.memory import layer_linear_params
 from lslm.plan.model import ModelSpec
+from lslm.plan.op_sac import op_recomputed_gemms
 
 __all__ = ["LOSS_BYTES_PER_LOGIT", "MicrobatchTimes", "elementwise_bytes", "layer_gemms", "microbatch_times",
            "optimizer_bytes", "optimizer_seconds"]
@@ -111,8 +114,11 @@ def microbatch_times(model: ModelSpec, layout: Layout, cal: GpuCalibration, laye
     else:
         bwd_cast = 0.0
     recompute_gemm = fwd_gemm if layout.recompute == "full" else 0.0
-    recompute_attn = {"none": 0.0, "selective": attn / 3.5, "full": attn / 3.5}[layout.recompute]
-    recompute_ew = fwd_ew if layout.recompute == "full" else 0.0
+    if layout.recompute == "op":  # the matmuls whose outputs torchtitan's policy does not keep
+        recompute_gemm = sum(2 * tokens * n * k / (cal.gemm_efficiency(kind, tokens, n, k) * peak)
+                             for kind, n, k in op_recomputed_gemms(model, t))
+    recompute_attn = {"none": 0.0, "selective": attn / 3.5, "full": attn / 3.5, "op": 0.0}[layout.recompute]
+    recompute_ew = fwd_ew if layout.recompute in ("full", "op") else 0.0
     layer = 3 * fwd_gemm + recompute_gemm + attn + recompute_attn + 3 * fwd_ew + bwd_cast + recompute_ew
     gemm = layers * (3 * fwd_gemm + recompute_gemm)
     attention = layers * (attn + recompute_attn)

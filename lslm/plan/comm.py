@@ -278,7 +278,8 @@ def _cp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
     uq, ukv = cp_units(model, layout)
     acc = 4 / cp_element_size(layout)  # the ring's dK/dV accumulators travel in fp32 (lslm.context_parallel.ring)
     n = layers_on_stage(model, layout, stage) * m  # layer-micro-batches per step
-    passes = 1 if layout.recompute == "none" else 2  # recomputation reruns the attention core's forward
+    # recomputation reruns the attention core's forward; "op" keeps its output
+    passes = 1 if layout.recompute in ("none", "op") else 2
     if layout.cp_method == "ring":
         out = (Collective("cp", "ring K/V blocks (forward)", "p2p", 2 * ukv, c, (c - 1) * passes * n, link,
                           "c - 1 steps of 2u_kv per layer (x2 with recompute), behind the block's attention"),

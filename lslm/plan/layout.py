@@ -9,7 +9,9 @@ Options: ``zero`` (0: plain data parallelism; 1-3: ZeRO stages, Rajbhandari et a
 ``"disk"``: they live in files and pass through host memory each step, as lslm's ZeRO offload to disk does;
 its memory is counted as ``"cpu"``'s),
 ``sequence_parallel`` (Korthikanti et al. 2022 §4.2.2), ``recompute`` (``"none"``, ``"selective"``: the
-attention core, §5; ``"full"``: every layer keeps only its input), ``precision`` (``fp32``; ``bf16``/``fp16``
+attention core, §5; ``"full"``: every layer keeps only its input; ``"op"``: torchtitan's op-level selective
+checkpointing, every other matmul's output and the attention's kept, the rest replayed, :mod:`lslm.plan.op_sac`),
+``precision`` (``fp32``; ``bf16``/``fp16``
 with fp32 master weights), ``mixed`` (with ``bf16``/``fp16``, how the half precision is applied:
 ``"masters"``, Megatron's and DeepSpeed's: half-precision parameters, fp32 master weights and Adam, every
 activation in the half dtype, 16 bytes per parameter with half gradients or 18 with fp32 ``main_grad``;
@@ -49,7 +51,7 @@ from lslm.plan.model import ModelSpec
 __all__ = ["CP_METHODS", "MIXED", "OFFLOADS", "OPTIMIZERS", "RECOMPUTE", "Layout", "check_layout", "layers_on_stage",
            "microbatches"]
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "op")
 OFFLOADS = ("none", "cpu", "disk")
 OPTIMIZERS = ("adamw", "sgd-momentum")
 CP_METHODS = ("ring", "ulysses")
@@ -97,6 +99,12 @@ class Layout:
                              "(ZeRO-Offload): it needs zero >= 1")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"Layout.recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.recompute == "op" and self.tp > 1 and not self.sequence_parallel:
+            raise ValueError("recompute='op' is torchtitan's policy, whose tensor parallelism is sequence-parallel "
+                             "(its save list keeps the reduce-scatter outputs): with tp > 1 set sequence_parallel")
+        if self.recompute == "op" and self.mixed == "autocast":
+            raise ValueError("recompute='op' is modelled for half-precision weights (mixed='masters': torchtitan's "
+                             "FSDP2 bf16 compute), not under torch.autocast; use mixed='masters'")
         if self.precision not in PRECISIONS:
             raise ValueError(f"Layout.precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.mixed not in MIXED:

@@ -194,7 +194,8 @@ def stage_memory(model: ModelSpec, layout: Layout, m: int, stage: int, *, dp_ran
     with_r, f_with = _activations(model, layout, m, stage, layout.recompute, mask_bytes)
     without, f_without = _activations(model, layout, m, stage, "none", mask_bytes)
     source = "lslm.plan.autocast (torch.autocast's op lists)" if layout.mixed == "autocast" else KORTHIKANTI
-    acts = Term("activations", with_r, "B", f_with, source)
+    acts = Term("activations", with_r, "B", f_with, "lslm.plan.op_sac (torchtitan's op-level selective "
+                "checkpointing); " + KORTHIKANTI if layout.recompute == "op" else source)
     acts0 = Term("activations (no recompute)", without, "B", f_without, source)
     moments: dict[str, float] = {}
     after = 0.0

@@ -6,7 +6,8 @@ the attention scores and their product with the values (causal masking not disco
 head ``2 B s h V``; backward twice the forward. Summed: ``72 B s L h^2 (1 + s/(6h) + V/(12 h L))`` per step
 (their equation without recomputation), ``96 B s L h^2 (1 + s/(6h) + V/(16 h L))`` with full recomputation
 (a second forward of every layer). Selective recomputation repeats only the attention core (``4 B s^2 h``
-per layer), also under flash attention, where it saves no bytes (:mod:`lslm.plan.activations`). Full
+per layer), also under flash attention, where it saves no bytes (:mod:`lslm.plan.activations`); torchtitan's
+op-level selective recomputation (``"op"``) the matmuls whose outputs it does not keep (:mod:`lslm.plan.op_sac`). Full
 recomputation's ``4/3`` assumes the replay runs in the forward's precision (lslm's did not before it re-entered
 autocast: its fp32 replay took the H200 step to 7.5-9.6x, ``bench/results/gpu/``). A device does
 ``1/(t · cp)`` of its stage's layers' work (and of the head, vocabulary-parallel).
@@ -85,6 +86,7 @@ from lslm.plan.hardware import OPTIMIZER_BYTES, Hardware
 from lslm.plan.layout import Layout, layers_on_stage
 from lslm.plan.memory import stage_params
 from lslm.plan.model import ModelSpec
+from lslm.plan.op_sac import op_recompute_flops
 from lslm.plan.states import bytes_per_element
 from lslm.plan.terms import Term
 
@@ -161,8 +163,9 @@ def _stage_microbatch_s(model: ModelSpec, layout: Layout, hw: Hardware,
     fwd_fixed, bwd_fixed = hw.layer_overhead_s
     shard = layout.tp * layout.cp
     mm, core = layer_forward_flops(model, model.micro_batch)
-    extra = {"none": 0.0, "selective": core, "full": mm + core}[layout.recompute]
-    fixed_extra = fwd_fixed if layout.recompute == "full" else 0.0
+    op = op_recompute_flops(model, layout) * shard if layout.recompute == "op" else 0.0  # whole layer's, as mm
+    extra = {"none": 0.0, "selective": core, "full": mm + core, "op": op}[layout.recompute]
+    fixed_extra = fwd_fixed if layout.recompute in ("full", "op") else 0.0  # both replay the layer's forward
     layer = (3 * (mm + core) + extra) / shard / rate + fwd_fixed + bwd_fixed + fixed_extra
     layers = layers_on_stage(model, layout, stage)
     head = 2 * model.micro_batch * model.seq_len * model.hidden * model.vocab / shard if head else 0.0
@@ -329,7 +332,7 @@ def _cp_exposed(model: ModelSpec, layout: Layout, hw: Hardware, m: int, cp: Axis
     if layout.cp_method == "ulysses":
         return cp.time_s, Verdict("cp", cp.time_s / n, t_layer,
                                   "per layer and micro-batch (Ulysses' all-to-alls, not overlapped)")
-    c, passes = layout.cp, 1 if layout.recompute == "none" else 2
+    c, passes = layout.cp, 1 if layout.recompute in ("none", "op") else 2  # "op" keeps the attention output
     kv = cp.collectives[0]
     t_kv = kv.time_s / kv.count
     t_block = ring_block_flops(model, layout) / hw.flops(layout.precision)
