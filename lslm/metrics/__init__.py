@@ -20,7 +20,9 @@ Measurement (CPU and CUDA alike; :mod:`.memory` is the entry point and re-export
   bytes nothing has to register, a saved view's storage included;
 * :mod:`.step_memory` - :func:`measure_step_memory`, one step by the allocator: live bytes before, the peak during
   and after it (CUDA's caching allocator, or glibc sampled after every op), and PyTorch's memory profiler's bytes
-  by category at the peak.
+  by category at the peak;
+* :mod:`.memory_timeline` - :func:`record_memory_timeline`, that profiler's bytes by category over the whole
+  step's time, with the named ranges that ran (drawn by :func:`lslm.plot.memory_timeline.plot_memory_timeline`).
 
 Formulas (pure functions, no processes):
 
