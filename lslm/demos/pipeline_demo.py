@@ -17,8 +17,11 @@ from typing import Any
 
 import torch
 
+from lslm.metrics.memory_timeline import record_memory_timeline
+from lslm.metrics.trace import StepTracer
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.pipeline.apply import PipelinePlan, apply_pipeline
+from lslm.pipeline.executor import ACTION_PREFIX
 from lslm.pipeline.partition import partition_units, split_gpt, unit_costs, unit_names
 from lslm.runtime import init_distributed
 
@@ -98,8 +101,41 @@ def contention(ctx: Any, cfg: GPTConfig, rows: int, repeats: int = 15) -> dict[s
     return {"alone_s": alone, "together_s": together}
 
 
+def profiled_steps(pipe: Any, x: torch.Tensor, y: torch.Tensor, ctx: Any, trace: str, name: str) -> dict[str, Any]:
+    """Two more steps of ``pipe``: one under the profiler's trace (step ``"0"``, after a barrier ``"sync"``), written
+    as ``trace_path(trace, name, rank)`` (compute, the ledger's sends and receives, each action a named range),
+    then one under its memory profiler.
+    Returns ``trace`` (the file) and ``memory_timeline`` (:meth:`MemoryTimeline.to_dict`, each action a range),
+    or ``memory_error`` when the profiler's own data-flow check failed twice (it does now and then with gloo's
+    threads)."""
+    params = list(pipe.parameters())
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        pipe.step(x, y)
+
+    # The profiler starts at the first traced "step", a barrier: each rank's start-up cost is paid there, not
+    # inside step "0", whose own first barrier would otherwise wait for the slower rank's profiler.
+    tracer = StepTracer(trace, name, ctx.rank, ctx.device, ["sync", "0"])
+    with tracer.step("sync"):
+        ctx.comm.barrier(label="pp demo profiler start")
+    with tracer.step("0"):
+        step()
+    out: dict[str, Any] = {"trace": str(tracer.path)}
+    for _ in range(2):
+        try:
+            timeline, _ = record_memory_timeline(step, ctx.device, range_prefixes=(ACTION_PREFIX,))
+            out["memory_timeline"] = timeline.to_dict()
+            return out
+        except AssertionError as exc:
+            out["memory_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return out
+
+
 def schedules_worker(runs: list[dict[str, Any]], model: dict[str, int] | None = None, batch_size: int = 16,
-                     steps: int = 3, seed: int = 0) -> dict[str, Any]:
+                     steps: int = 3, seed: int = 0, trace: str | None = None,
+                     profile: tuple[int, ...] = ()) -> dict[str, Any]:
     """Launch target: each plan of ``runs`` (:class:`PipelinePlan` fields) on every rank, ``steps`` steps each.
 
     Every step is the same batch from zeroed gradients (no optimizer), so the gradients can
@@ -108,8 +144,12 @@ def schedules_worker(runs: list[dict[str, Any]], model: dict[str, int] | None = 
     ``|pipeline - serial|`` over this rank's gradients), ``max_grad`` (largest ``|serial|``),
     ``timeline`` (every rank's, ``Timeline.to_dict()``), ``memory`` (the executor's counts),
     ``step_s`` (each step's wall time on this rank) and ``p2p_bytes`` (this rank's sends, one step);
-    and once, ``contention``: :func:`contention` on a micro-batch of the first run's size.
+    and once, ``contention``: :func:`contention` on a micro-batch of the first run's size. Runs whose index is in
+    ``profile`` then take two more steps under the profiler (:func:`profiled_steps`, traces written to the folder
+    ``trace``) and add ``profiled``: nothing above is measured in them.
     """
+    if profile and not trace:
+        raise ValueError("profile=[...] needs trace=DIR: the folder the profiled runs write their traces to")
     cfg = GPTConfig(**{**DEMO_MODEL, **(model or {})})
     ctx = init_distributed(pp=int(__import__("os").environ.get("WORLD_SIZE", "1")), seed=seed)
     with ctx:
@@ -137,6 +177,10 @@ def schedules_worker(runs: list[dict[str, Any]], model: dict[str, int] | None = 
                             "max_grad": max(serial_grads[n].abs().max().item() for n in params),
                             "timeline": timeline.to_dict(), "memory": pipe.last_memory, "step_s": step_s,
                             "p2p_bytes": p2p})
+            if len(results) - 1 in profile:
+                assert trace is not None
+                name = f"{run['schedule']}-{len(results) - 1}"
+                results[-1]["profiled"] = profiled_steps(pipe, x, y, ctx, trace, name)
             ctx.comm.ledger.reset()
         assert all(math.isfinite(r["loss"]) for r in results)
         return {"rank": ctx.rank, "pp": ctx.pp_size, "batch_size": batch_size, "model": cfg.__dict__,
