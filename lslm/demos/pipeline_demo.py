@@ -105,9 +105,10 @@ def profiled_steps(pipe: Any, x: torch.Tensor, y: torch.Tensor, ctx: Any, trace:
     """Two more steps of ``pipe``: one under the profiler's trace (step ``"0"``, after a barrier ``"sync"``), written
     as ``trace_path(trace, name, rank)`` (compute, the ledger's sends and receives, each action a named range),
     then one under its memory profiler.
-    Returns ``trace`` (the file) and ``memory_timeline`` (:meth:`MemoryTimeline.to_dict`, each action a range),
-    or ``memory_error`` when the profiler's own data-flow check failed twice (it does now and then with gloo's
-    threads)."""
+    Returns ``trace`` (the file), ``memory_timeline`` (:meth:`MemoryTimeline.to_dict`, each action a range), or
+    ``memory_error`` when the profiler's own data-flow check failed twice (it does now and then with gloo's
+    threads), and ``seconds``: what the two steps took with their profiling."""
+    started = time.perf_counter()
     params = list(pipe.parameters())
 
     def step() -> None:
@@ -127,9 +128,10 @@ def profiled_steps(pipe: Any, x: torch.Tensor, y: torch.Tensor, ctx: Any, trace:
         try:
             timeline, _ = record_memory_timeline(step, ctx.device, range_prefixes=(ACTION_PREFIX,))
             out["memory_timeline"] = timeline.to_dict()
-            return out
+            break
         except AssertionError as exc:
             out["memory_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    out["seconds"] = time.perf_counter() - started  # what profiling added to the launch on this rank
     return out
 
 
