@@ -118,8 +118,10 @@ def _copy_course(dest: Path) -> None:
 def _start_lab(tree: Path, home: Path, port: int, token: str) -> subprocess.Popen[str]:
     """`make lab` in ``tree`` with this interpreter's environment as VENV, its install step skipped (``-o``)."""
     venv = sys.prefix
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
-           "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"), "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces")}
+    # Without the tests' LSLM_LAUNCHER (conftest.py): the browser's cell launches through torchrun, as a learner's.
+    env = {k: v for k, v in os.environ.items() if k != "LSLM_LAUNCHER"}
+    env |= {"JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+            "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"), "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces")}
     lab_args = (f"--no-browser --ServerApp.ip=127.0.0.1 --ServerApp.token={token} "
                 "--LabApp.expose_app_in_browser=True")  # window.jupyterapp: to read kernel and dirty state
     return subprocess.Popen(["make", "-s", "-o", f"{venv}/.lslm-installed", "lab", f"VENV={venv}", f"PORT={port}",

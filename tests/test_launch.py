@@ -31,6 +31,13 @@ from tests.helpers import REPO_ROOT, run_workers
 GLOO = {"LSLM_BACKEND": "gloo", "LSLM_DEVICE": "cpu"}
 
 
+@pytest.fixture(autouse=True)
+def through_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These are torchrun's tests: the other files' launches use the fork server (conftest.py), these do not
+    (tests/test_launch_forkserver.py has the fork server's)."""
+    monkeypatch.setenv("LSLM_LAUNCHER", "torchrun")
+
+
 def _descendants() -> set[int]:
     return {p.pid for p in psutil.Process(os.getpid()).children(recursive=True)}
 

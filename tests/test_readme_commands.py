@@ -203,6 +203,7 @@ def _argv(command: str, port: int | None = None) -> list[str]:
 def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A temporary working folder; subprocesses find lslm even when it is not installed."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LSLM_LAUNCHER", raising=False)  # as a learner runs them: through torchrun
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     yield tmp_path
 

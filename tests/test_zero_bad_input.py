@@ -34,6 +34,16 @@ def test_a_stage_outside_1_to_3_is_refused(stage: object) -> None:
             recipe.ZeroConfig(stage=bad)
 
 
+@pytest.mark.parametrize("prefetch", [-1, True, 1.0, "1", None])
+def test_a_prefetch_that_is_not_a_count_of_units_is_refused(prefetch: object) -> None:
+    with fake_world(0, 2):
+        model = GPT(GPTConfig.tiny())
+        with pytest.raises(ValueError, match=f"prefetch must be an int >= 0 .*got {prefetch!r}"):
+            ZeroOptimizer(model, torch.optim.AdamW(model.parameters()), _fake_ctx(2, 0), stage=3,
+                          prefetch=prefetch)  # type: ignore[arg-type]
+        assert not any(p.numel() == 0 for p in model.parameters())  # refused before anything changed
+
+
 def test_disk_offload_needs_a_writable_folder(tmp_path: Path) -> None:
     with fake_world(0, 2):
         ctx = _fake_ctx(2, 0)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from lslm.demos.zero_demo import MODEL
+from lslm.demos.zero_demo import MODEL, zero3_memory_timeline
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.grid import RankGrid
@@ -68,6 +68,37 @@ def test_after_the_forward_no_saved_tensor_holds_a_released_unit() -> None:
             assert zero.gather.storage_bytes() == 0  # and between steps nothing is left gathered
     # The same activations either way: freeing takes away exactly every unit's whole buffer, padding included.
     assert held[False] - held[True] == unit_bytes > 0
+
+
+def test_prefetch_sets_how_many_units_are_whole_at_once() -> None:
+    """The root, the unit computing and ``prefetch`` units gathered ahead of it (0: none), counted by the gathers'
+    own bookkeeping over one step of a small GPT of 4 blocks."""
+    with fake_world(0, 2):
+        for prefetch, whole in ((0, 2), (1, 3), (2, 4)):
+            torch.manual_seed(0)
+            model = GPT(GPTConfig.tiny(n_layer=4, vocab_size=64, block_size=8, n_embd=16))
+            zero = ZeroOptimizer(model, torch.optim.AdamW(model.parameters()), _ctx(2, 0), stage=3,
+                                 prefetch=prefetch)
+            x = torch.randint(0, 64, (2, 8))
+            zero.zero_grad()
+            zero.backward(model(x, x)[1])
+            zero.step()
+            assert zero.gather.max_buckets_gathered == whole, (prefetch, zero.gather.max_buckets_gathered)
+            assert zero.gather.storage_bytes() == 0
+
+
+def test_the_memory_profiler_sees_the_freed_units() -> None:
+    """PyTorch's memory profiler, one stage-3 step of notebook 08's GPT (lslm.demos.zero_demo.zero3_memory_timeline):
+    the step peaks at the loss (every activation alive, the logits' gradient made, no block gathered again yet), where
+    kept gathered holds every block's bucket and stage 3 none, so their parameter bytes differ by exactly the blocks'
+    buckets; and the timeline carries lslm's collectives: the root's gather, each block's two, five reduce-scatters."""
+    freed, kept = zero3_memory_timeline(), zero3_memory_timeline(reshard_after_forward=False)
+    blocks = GPT(GPTConfig(**MODEL)).blocks
+    assert len(blocks) == 4 and all(sum(p.numel() for p in b.parameters()) % 2 == 0 for b in blocks)  # no padding
+    assert kept.peak()["parameter"] - freed.peak()["parameter"] == sum(4 * p.numel() for p in blocks.parameters())
+    for tl in (freed, kept):
+        ops = [name.split()[0].rsplit(":", 1)[-1] for name, _, _ in tl.ranges]
+        assert (ops.count("all_gather"), ops.count("reduce_scatter")) == (9, 5) if tl is freed else (5, 5), ops
 
 
 def test_offloaded_gradients_land_before_the_host_steps(monkeypatch: pytest.MonkeyPatch) -> None:

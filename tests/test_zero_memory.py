@@ -1,13 +1,18 @@
 """ZeRO's frees checked by the allocator (glibc's mallinfo2), 2 and 4 gloo ranks, the GPT of lslm.bench.zero_memory.
 
-One launch per world size measures stages 2, 3 and 3 kept gathered (``reshard_after_forward=False``) in the same
-processes (the module-scoped fixture). What :mod:`lslm.metrics.zero3_window` predicts from the unit sizes:
+One launch per world size measures stages 2, 3, 3 kept gathered (``reshard_after_forward=False``) and 3 without
+prefetch (``prefetch=0``) in the same processes (the module-scoped fixture). What :mod:`lslm.metrics.zero3_window`
+predicts from the unit sizes:
 
-* the step's peak lies lower at stage 3 than kept, by every unit except the window (root, the unit whose backward
-  runs first and the one prefetched behind it). gloo's all-gather fills a new flat tensor in its own thread while
-  the transfer runs and copies it out: whether stage 3's sampled peak catches that copy of the prefetched unit
-  depends on the threads' timing, so the gap lies between the prediction with the copy and without it, within
-  10 % of each (the bench's GPT measured 0.97x-1.16x of the first over four runs; this one 0.998x at 2 and 4 ranks);
+* without prefetch, the step's peak lies lower at stage 3 than kept by exactly the units freed: every unit but the
+  one whose backward runs first. Nothing is gathered ahead, so no gloo copy of a unit in flight blurs it: within
+  10 % of the formula (measured 0.998x at 2 and 4 ranks), and stage 3's peak lies below stage 2's too;
+* with the default prefetch of one unit, the step's peak lies lower at stage 3 than kept, by every unit except the
+  window (root, the unit whose backward runs first and the one prefetched behind it). gloo's all-gather fills a new
+  flat tensor in its own thread while the transfer runs and copies it out: whether stage 3's sampled peak catches
+  that copy of the prefetched unit depends on the threads' timing, so the gap lies between the prediction with the
+  copy and without it, within 10 % of each (the bench's GPT measured 0.97x-1.16x of the first over four runs; this
+  one 0.997x-1.05x at 2 and 4 ranks);
 * stage 3's peak, states included, lies below stage 2's where the parameters predict it
   (:func:`~lslm.metrics.zero3_window.zero3_saving_vs_stage2` > 0: at 4 ranks, stage 3 keeps a quarter of the
   parameters and its window, a third of them; at 2 ranks, half of them and the window with gloo's copy of the
@@ -39,9 +44,24 @@ TEST_MODEL, TEST_ROWS = {**MODEL, "n_embd": 192}, 6
 @pytest.fixture(scope="module")
 def measured() -> dict[int, dict[str, Any]]:
     """Rank 0's record per world size (every rank measures; rank 0 stands for them: the layouts differ by padding)."""
+    variants = ["zero2", "zero3", "zero3-keep", "zero3-prefetch0"]
     return {n: run_workers("lslm.bench.zero_memory:worker", n, timeout=300, model=TEST_MODEL, rows=TEST_ROWS,
-                           variants=["zero2", "zero3", "zero3-keep"], categories=False, counted=False)[0]
+                           variants=variants, categories=False, counted=False)[0]
             for n in WORLDS}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_without_prefetch_stage_3_peaks_below_keep_by_the_formulas_freed_units(measured: dict[int, Any],
+                                                                                 world: int) -> None:
+    r = measured[world]
+    v, p = r["variants"], r["predicted"]
+    p0, keep = v["zero3-prefetch0"], v["zero3-keep"]
+    freed, predicted = keep["total"] - p0["total"], p["keep_minus_zero3_prefetch0"]
+    assert predicted == sum(p["units"][:-1]) > 0  # every unit but the forward's last, whose backward runs first
+    assert abs(freed - predicted) <= 0.1 * predicted, (freed, predicted)
+    assert p0["total"] < v["zero2"]["total"], (p0["total"], v["zero2"]["total"])
+    for k, (a, b) in enumerate(zip(v["zero2"]["after_unit_forward"], p0["after_unit_forward"], strict=True)):
+        assert b - a <= p["root"] * 1.01 + SLACK, (k, b - a, p["root"])  # each unit freed: the root alone
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -36,3 +36,23 @@ def gather_objects() -> dict:
     recs = ctx.comm.ledger.select(label="objects")
     return {"got": got, "ops": [r.op for r in recs], "nbytes": [r.nbytes for r in recs],
             "pickled": [len(pickle.dumps(o)) for o in got]}
+
+
+#: What a launched rank is told by its launcher: torchrun's variables, compared between the two launchers.
+LAUNCH_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+              "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+              "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "OMP_NUM_THREADS",
+              "LSLM_BACKEND", "LSLM_DEVICE", "LSLM_TEST_MARK")
+
+
+def describe_rank() -> dict:
+    """This rank's launch environment, directory, threads and import path, after an all-reduce of its rank."""
+    import sys
+
+    import torch
+
+    with init_distributed() as ctx:
+        x = torch.tensor([float(ctx.rank)])
+        ctx.comm.all_reduce(x)
+        return {"env": {k: os.environ.get(k) for k in LAUNCH_ENV}, "cwd": os.getcwd(), "sum": x.item(),
+                "threads": torch.get_num_threads(), "path": sys.path[:4], "pid": os.getpid(), "ppid": os.getppid()}

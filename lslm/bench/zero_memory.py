@@ -1,4 +1,5 @@
-"""ZeRO's step peaks by the allocator and by lslm's counters: stages 1, 2, 3 and 3 kept gathered, 2 and 4 ranks.
+"""ZeRO's step peaks by the allocator and by lslm's counters: stages 1, 2, 3, 3 kept gathered and 3 without
+prefetch, 2 and 4 ranks.
 
 Per rank, in the same processes, every variant trains the same GPT (one seed, the same tokens) for
 three fp32 AdamW steps: a warm-up (Adam's states come to exist), one counted by lslm
@@ -49,8 +50,10 @@ __all__ = ["MODEL", "QUICK_MODEL", "VARIANTS", "main", "predictions", "run", "ta
 MODEL = dict(vocab_size=256, block_size=64, n_layer=6, n_head=4, n_embd=256)
 #: A smaller one for a smoke run (``--quick``): four blocks, still more units than stage 3 keeps at once.
 QUICK_MODEL = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=64)
-#: Stages 1-3, and stage 3 keeping each unit gathered from its forward to its backward.
-VARIANTS = ("zero1", "zero2", "zero3", "zero3-keep")
+#: Stages 1-3, stage 3 keeping each unit gathered from its forward to its backward, and stage 3 gathering each unit
+#: only when it is needed (``prefetch=0``): its gap to keep has no gloo copy of a prefetched unit in it, so the
+#: formula predicts it exactly.
+VARIANTS = ("zero1", "zero2", "zero3", "zero3-keep", "zero3-prefetch0")
 ROWS = 8  # rows per rank per step
 LR = 1e-3
 
@@ -62,7 +65,7 @@ def _adamw(net: nn.Module) -> torch.optim.AdamW:
 def _zero(kind: str, serial: GPT, ctx: Any, bucket_cap_mb: float) -> tuple[nn.Module, ZeroOptimizer]:
     net = copy.deepcopy(serial)
     return net, ZeroOptimizer(net, _adamw(net), ctx, stage=int(kind[4]), bucket_cap_mb=bucket_cap_mb,
-                              reshard_after_forward="keep" not in kind)
+                              reshard_after_forward="keep" not in kind, prefetch=0 if "prefetch0" in kind else 1)
 
 
 def _unit_samples(net: nn.Module) -> tuple[list[int], list[Any]]:
@@ -84,6 +87,7 @@ def predictions(buckets: list[int], stage2_param_numel: int, world: int, gather_
             "window_with_copy": zero3_window_bytes(units, root, gather_copy=gather_copy),
             "keep_minus_zero3": zero3_freed_bytes(units),
             "keep_minus_zero3_with_copy": zero3_freed_bytes(units, gather_copy=gather_copy),
+            "keep_minus_zero3_prefetch0": zero3_freed_bytes(units, prefetch=0),
             "zero2_minus_zero3": zero3_saving_vs_stage2(itemsize * stage2_param_numel, itemsize * sum(buckets),
                                                         world, units, root, gather_copy=gather_copy),
             "units": units, "root": root}
@@ -91,8 +95,8 @@ def predictions(buckets: list[int], stage2_param_numel: int, world: int, gather_
 
 def worker(model: dict[str, int] | None = None, rows: int = ROWS, variants: list[str] | None = None,
            bucket_cap_mb: float = 0.5, categories: bool = True, counted: bool = True) -> dict[str, Any]:
-    """One rank: every variant (:data:`VARIANTS`) measured as the module doc says; ``categories``: the profiled
-    stage-3 step too; ``counted``: lslm's count too (each costs a step; the tests skip both)."""
+    """One rank: every variant (:data:`VARIANTS`, or those named) measured as the module doc says; ``categories``:
+    the profiled stage-3 step too; ``counted``: lslm's count too (each costs a step; the tests skip both)."""
     variants = list(VARIANTS if variants is None else variants)
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
@@ -179,11 +183,11 @@ def table(results: dict[int, list[dict[str, Any]]]) -> str:
         v, p = r["variants"], r.get("predicted", {})
         lines.append(f"{n} ranks, rank 0 (MB; total = allocator peak over what the rank held before building the "
                      f"variant; counted = lslm's held states + its step peak):")
-        lines.append(f"{'variant':>11} | {'counted':>8} | {'total':>8} | {'step peak':>9} | {'after':>8}")
+        lines.append(f"{'variant':>15} | {'counted':>8} | {'total':>8} | {'step peak':>9} | {'after':>8}")
         for kind, row in v.items():
             total = row["total"] / mb if row["total"] is not None else float("nan")
             step_peak = row["step_peak"] / mb if row["step_peak"] is not None else float("nan")
-            lines.append(f"{kind:>11} | {row['counted_peak'] / mb:8.3f} | {total:8.3f} | {step_peak:9.3f} | "
+            lines.append(f"{kind:>15} | {row['counted_peak'] / mb:8.3f} | {total:8.3f} | {step_peak:9.3f} | "
                          f"{(row['after'] - row['before']) / mb if row['before'] else float('nan'):8.3f}")
         if p and all(v[k]["total"] is not None for k in ("zero2", "zero3", "zero3-keep")):
             got = v["zero3-keep"]["total"] - v["zero3"]["total"]
@@ -191,6 +195,10 @@ def table(results: dict[int, list[dict[str, Any]]]) -> str:
             lines.append(f"  zero3-keep - zero3: measured {got / mb:.3f}; predicted {hi / mb:.3f} (the units freed "
                          f"but the window), {lo / mb:.3f} with gloo's copy of the prefetched unit in flight: "
                          f"{got / hi:.3f}x and {got / lo:.3f}x")
+            if v.get("zero3-prefetch0", {}).get("total") is not None:
+                got0, want0 = v["zero3-keep"]["total"] - v["zero3-prefetch0"]["total"], p["keep_minus_zero3_prefetch0"]
+                lines.append(f"  zero3-keep - zero3-prefetch0: measured {got0 / mb:.3f}; predicted {want0 / mb:.3f} "
+                             f"(every unit but the forward's last; nothing prefetched): {got0 / want0:.3f}x")
             got = v["zero2"]["total"] - v["zero3"]["total"]
             lines.append(f"  zero2 - zero3: measured {got / mb:.3f}; parameters alone predict "
                          f"{p['zero2_minus_zero3'] / mb:.3f} (the gradients' buffers at the two peaks differ)")

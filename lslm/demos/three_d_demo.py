@@ -11,6 +11,9 @@ same tp rank, and the maximum over all ranks) and the bytes this rank sent per l
 With ``torch_native=[...]``, the same processes then train the same GPT on the same batches with
 torch's own composition (DTensor TP, ``torch.distributed.pipelining``, FSDP2 on ``ctx.mesh``:
 :mod:`lslm.demos.three_d_torch`), so the side-by-side costs no second start-up.
+With ``traced={...}`` (the 3D recipe's settings and a ``trace`` folder), the same processes last train
+:mod:`lslm.recipes.three_d` under ``torch.profiler`` (:func:`lslm.harness.entry.run_in_context`): the timeline of
+one 3D step, each rank's compute and its dp, tp and pp collectives, again without a second start-up.
 tests/three_d_workers.py runs the same code for tests/test_three_d.py.
 """
 
@@ -25,8 +28,10 @@ import torch.distributed as dist
 
 from lslm.data_parallel.grad_sync import attach_grad_buffers
 from lslm.demos.three_d_torch import serial_run, tied_refusals, torch_case
+from lslm.harness.entry import run_in_context
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.pipeline.apply import PipelinePlan
+from lslm.recipes.three_d import RECIPE
 from lslm.recipes.train import TrainConfig, adamw, prepare_training
 from lslm.runtime import init_distributed
 from lslm.runtime.context import ParallelContext
@@ -179,17 +184,24 @@ def torch_cases(ctx: ParallelContext, cases: list[dict[str, Any]], steps: int = 
 
 
 def suite(cases: list[dict[str, Any]], steps: int = STEPS, torch_native: list[dict[str, Any]] | None = None,
-          **_: Any) -> dict[str, Any]:
+          traced: dict[str, Any] | None = None, **_: Any) -> dict[str, Any]:
     """Launch target: every case of ``cases`` on this rank (a world of any size; each case picks its grid), then,
-    in the same processes, every case of ``torch_native`` with torch's pieces (:func:`torch_cases`)."""
-    return run_suite(init_distributed(), cases, steps, torch_native)
+    in the same processes, every case of ``torch_native`` with torch's pieces (:func:`torch_cases`), then the
+    3D recipe traced with ``traced``'s settings (module doc)."""
+    return run_suite(init_distributed(), cases, steps, torch_native, traced)
 
 
 def run_suite(ctx: ParallelContext, cases: list[dict[str, Any]], steps: int = STEPS,
-              torch_native: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """:func:`suite` in a process group that is already up (``ctx``): ``{"rank", "cases"[, "torch"]}``."""
+              torch_native: list[dict[str, Any]] | None = None,
+              traced: dict[str, Any] | None = None) -> dict[str, Any]:
+    """:func:`suite` in a process group that is already up (``ctx``): ``{"rank", "cases"[, "torch"][, "traced"]}``
+    (``traced``: the steps the recipe run traced)."""
     refs = {tied: serial(tied, steps) for tied in sorted({c.get("tied", False) for c in cases})}
     out: dict[str, Any] = {"rank": ctx.rank, "cases": [run_case(ctx, case, refs, steps) for case in cases]}
     if torch_native:
         out["torch"] = torch_cases(ctx, torch_native, steps)
+    if traced:
+        settings = dict(traced)
+        folder = settings.pop("trace")
+        out["traced"] = run_in_context(RECIPE, ctx, [{}], trace=folder, **settings)[0]["trace"]["steps"]
     return out

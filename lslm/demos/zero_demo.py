@@ -10,17 +10,23 @@ bytes its lslm collectives moved in one step (from the ledger), offload bytes, s
 ``max_buckets_gathered``, and for stage 3 one step's gathers and reduce-scatters with issue and
 completion times (``ledger.timed()``) beside each block's forward and backward span on the same clock (module and
 tensor hooks, :class:`BlockSpans`). Rank 0 adds how far every entry's parameters are from
-DDP's and stage 3's from FSDP2's.
+DDP's and stage 3's from FSDP2's. With ``trace=DIR`` the stage-3 step before that one also runs under
+``torch.profiler`` on every rank (:class:`~lslm.metrics.trace.StepTracer`: ``DIR/zero3-rank<r>.json``, the
+ledger's collectives named in it), for :mod:`lslm.metrics.overlap` and :func:`lslm.plot.trace.plot_trace`.
 
 :func:`fake_world` and :func:`state_bytes_at_scale` count the same bytes for one rank of 8, 16
 or 64 in this process, with PyTorch's fake process group (collectives return without moving
-data; partitioning is real). That backend lives in ``torch.testing._internal``, an internal API
-that may change between PyTorch releases: this module is lslm's one wrapper of it outside the tests.
+data; partitioning is real); :func:`zero3_memory_timeline` records one stage-3 step of rank 0 of 2 there
+under PyTorch's memory profiler (the bytes by category over the step's time: allocations are real too). That
+backend lives in ``torch.testing._internal``, an internal API that may change between PyTorch releases: this
+module is lslm's one wrapper of it outside the tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import time
 from typing import Any
 
@@ -33,7 +39,7 @@ from lslm.models.gpt import GPT, GPTConfig
 from lslm.runtime.fake_world import fake_world
 
 __all__ = ["ENTRIES", "MODEL", "PICTURE_ENTRIES", "BlockSpans", "fake_world", "state_bytes_at_scale", "suite",
-           "whole_picture"]
+           "whole_picture", "zero3_memory_timeline"]
 
 #: The course's GPT (the serial recipe's 1024-token vocabulary, 64-token blocks) with 4 blocks instead of 2, so that
 #: stage 3 has more units than it keeps gathered at once, and width 60 instead of 64, so that parameter sizes are
@@ -178,10 +184,15 @@ def _serial_and_data(ctx: Any, model: dict[str, Any] | None, rows: int, steps: i
 
 
 def suite(entries: list[str] | None = None, steps: int = STEPS, rows: int = ROWS,
-          model: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Every entry on this rank (see the module doc); every rank returns its bytes, rank 0 also the comparisons."""
+          model: dict[str, Any] | None = None, trace: str | None = None) -> dict[str, Any]:
+    """Every entry on this rank (see the module doc); every rank returns its bytes, rank 0 also the comparisons.
+    ``trace``: a folder for the profiler trace of stage 3's next-to-last step (``steps >= 2``)."""
+    from lslm.metrics.trace import StepTracer
     from lslm.runtime import init_distributed
     from lslm.zero.optimizer import GATHER_LABEL, REDUCE_SCATTER_LABEL
+
+    if trace is not None and steps < 2:
+        raise ValueError(f"trace needs steps >= 2 (the traced step comes before the timed last one), got {steps}")
 
     entries = list(entries or ENTRIES)
     with init_distributed(seed=0) as ctx:
@@ -193,11 +204,14 @@ def suite(entries: list[str] | None = None, steps: int = STEPS, rows: int = ROWS
         for kind in entries:
             net, opt, step = _build(kind, serial, ctx)
             spans = BlockSpans(net.blocks) if kind == "zero3" else None
+            # Not the timed step: the profiler's own cost would stretch the spans the ledger times.
+            tracer = (StepTracer(trace, kind, rank, ctx.device, [len(data) - 2])
+                      if trace is not None and kind == "zero3" else None)
             losses = []
             for i, batch in enumerate(data):
                 since = len(ledger.records)
                 timed = kind == "zero3" and i == len(data) - 1
-                with ledger.timed(timed):
+                with ledger.timed(timed), tracer.step(i) if tracer is not None else contextlib.nullcontext():
                     t0 = time.perf_counter()  # the ledger's clock
                     if spans is not None:
                         spans.t0, spans.on = t0, timed
@@ -403,3 +417,40 @@ def state_bytes_at_scale(worlds: tuple[int, ...] = (8, 16, 64), stages: tuple[in
                                            "master_weights": held.get("master_weights", 0),
                                            "optimizer_states": held.get("optimizer_states", 0)}})
     return rows
+
+
+def zero3_memory_timeline(reshard_after_forward: bool = True, prefetch: int = 1, world: int = 2, rows: int = ROWS,
+                          model: dict[str, Any] | None = None) -> Any:
+    """One stage-3 step of rank 0 of ``world`` (fake process group, in this process) under PyTorch's memory
+    profiler: its :class:`~lslm.metrics.memory_timeline.MemoryTimeline` (bytes by category over time), with the
+    ledger's all-gathers and reduce-scatters as ranges. The second step is recorded (Adam's states exist); the
+    collectives move no data here, but every buffer is allocated and freed as with real ranks."""
+    from lslm.metrics.memory_timeline import record_memory_timeline
+    from lslm.runtime.comm_trace import CALL_PREFIX
+    from lslm.runtime.context import ParallelContext
+    from lslm.runtime.grid import RankGrid
+    from lslm.zero import ZeroOptimizer
+
+    cfg = GPTConfig(**(model or MODEL))
+    with fake_world(0, world):
+        ctx = ParallelContext.create(RankGrid.build(world, dp=world), rank=0, local_rank=0, node_rank=0,
+                                     device=torch.device("cpu"), backend="fake", timeout_s=5)
+        torch.manual_seed(0)
+        net = GPT(cfg)
+        zero = ZeroOptimizer(net, _adamw(net), ctx, stage=3, reshard_after_forward=reshard_after_forward,
+                             prefetch=prefetch)
+        g = torch.Generator().manual_seed(1)
+        batch = torch.randint(0, cfg.vocab_size, (rows, cfg.block_size + 1), generator=g)  # lslm: cpu-ok (fake: CPU)
+
+        def step() -> None:
+            zero.zero_grad()
+            _, loss = net(batch[:, :-1], batch[:, 1:])
+            zero.backward(loss)
+            zero.step()
+
+        step()
+        # Kineto (the profiler's backend) prints a line to stderr at each start and stop unless told otherwise: in a
+        # notebook that lands in the cell's output. Read when a profiler first starts in the process.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+        timeline, _ = record_memory_timeline(step, ctx.device, range_prefixes=(CALL_PREFIX,))
+    return timeline

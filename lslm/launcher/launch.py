@@ -47,25 +47,32 @@ from typing import Any
 
 import psutil
 
+from lslm.launcher.forkserver import ForkedRank, RankStore, output_file, start_ranks
 from lslm.launcher.launch_checks import timeout_seconds, validate
 from lslm.launcher.launch_errors import (
     LaunchError,
     LaunchTimeout,
     RankFailure,
     apply_exit_codes,
+    apply_rank_exit_codes,
     build_error,
     death_summary,
     is_peer_lost,
 )
 from lslm.launcher.process_tree import deferred_signals, is_alive, kill_tree
-from lslm.launcher.streams import drain, finish_reading, read_lines
+from lslm.launcher.streams import drain, finish_reading, read_lines, tail_lines
 from lslm.runtime.startup import free_port
 
 __all__ = ["LaunchError", "LaunchResults", "LaunchTimeout", "launch", "torchrun_command", "validate"]
 
 _PORT_IN_USE = re.compile(r"address already in use|EADDRINUSE|errno 98", re.IGNORECASE)
 _RANK_FILE = re.compile(r"^rank(\d+)\.(started\.json|json|error\.json)$")
+LAUNCHER_ENV = "LSLM_LAUNCHER"  # the default launcher where launch() is not told one
+LAUNCHERS = ("torchrun", "forkserver")
 FAILURE_GRACE_S = 3.0  # after a first failure: how long torchrun may take to stop the job itself (and say why)
+# Forked ranks have no agent to stop them: after a first failure the launcher does, as torchrun would at once, a
+# moment later (so that a peer blocked in a collective can record that it lost the failed rank).
+FORKED_FAILURE_GRACE_S = 0.3
 
 
 class LaunchResults(list):
@@ -98,7 +105,7 @@ def torchrun_command(nproc: int, nnodes: int = 1, node_rank: int = 0, port: int 
 
 def launch(target: str | Callable[..., Any], nproc: int = 2, *, nnodes: int = 1, timeout: float | None = 300.0,
            output: str = "all", env: dict[str, str] | None = None, pythonpath: Iterable[str] = (),
-           **args: Any) -> LaunchResults:
+           launcher: str | None = None, **args: Any) -> LaunchResults:
     """Run ``target`` on ``nproc`` processes (per node) with torchrun; return each rank's result.
 
     ``target`` is ``"package.module:function"`` (or a module-level function object):
@@ -107,7 +114,10 @@ def launch(target: str | Callable[..., Any], nproc: int = 2, *, nnodes: int = 1,
     ``[rank r]``), ``"rank0"`` or ``"none"``. ``nnodes > 1`` starts that many torchrun
     agents on this machine with a c10d rendezvous, exactly as on a real cluster.
     ``timeout`` is in seconds (``None``: no limit). ``env`` adds environment variables;
-    ``pythonpath`` adds import paths.
+    ``pythonpath`` adds import paths. ``launcher``: ``"torchrun"`` (the default) or ``"forkserver"``, which
+    forks one machine's ranks from a process that has imported torch once (:mod:`lslm.launcher.forkserver`:
+    the same worker and environment, a fraction of a second to start instead of seconds); ``None`` reads
+    ``LSLM_LAUNCHER`` from the environment.
 
     Raises ``ValueError`` for bad input before starting anything (see
     :func:`~lslm.launcher.launch_checks.validate`), :class:`LaunchError` as soon as any
@@ -121,11 +131,13 @@ def launch(target: str | Callable[..., Any], nproc: int = 2, *, nnodes: int = 1,
     if bad_env:
         raise ValueError(f"env must map names to strings, got {bad_env!r}")
     pythonpath = [str(p) for p in pythonpath]
+    launcher = launcher_name(launcher, nnodes)
     tgt = validate(target, nproc, nnodes, timeout, args, pythonpath, env={**os.environ, **env})
     last_error: LaunchError | None = None
     for _attempt in range(3):
         try:
-            return _run(tgt, int(nproc), int(nnodes), timeout_seconds(timeout), output, env, pythonpath, args)
+            return _run(tgt, int(nproc), int(nnodes), timeout_seconds(timeout), output, env, pythonpath, args,
+                        launcher)
         except _PortTaken as exc:
             last_error = exc  # another job took the port between our probe and torchrun's bind
         except KeyboardInterrupt:
@@ -184,15 +196,18 @@ class _Ranks:
 
 
 def _run(target: str, nproc: int, nnodes: int, timeout: float, output: str, extra_env: dict[str, str],
-         pythonpath: list[str], args: dict[str, Any]) -> LaunchResults:
+         pythonpath: list[str], args: dict[str, Any], launcher: str = "torchrun") -> LaunchResults:
     folder = Path(tempfile.mkdtemp(prefix="lslm-launch-"))
     world_size = nproc * nnodes
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[Any] = []  # torchrun agents (subprocess.Popen), or forked ranks (forkserver.ForkedRank)
     ranks = _Ranks(folder)
     lines: list[str] = []
+    store: RankStore | None = None
     try:
         (folder / "args.json").write_text(json.dumps(args))
-        port = free_port()
+        if launcher == "forkserver":
+            store = RankStore()
+        port = store.port if store is not None else free_port()
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra_env}
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         env.setdefault("LOGLEVEL", "ERROR")  # torchrun's agent is chatty at WARNING
@@ -208,13 +223,18 @@ def _run(target: str, nproc: int, nnodes: int, timeout: float, output: str, extr
                     + worker for node in range(nnodes)]
         q: queue.Queue[str | None] = queue.Queue()
         start = time.perf_counter()
+        if store is not None:
+            commands = [[sys.executable, *worker]]  # what each rank runs, for results.command
+            with deferred_signals():
+                procs.extend(_start_forked(worker[2:], nproc, folder, env, store.port, pythonpath, q))
         with deferred_signals():  # a Ctrl-C right now must not leave a started agent untracked
-            for cmd in commands:
+            for cmd in commands if store is None else []:
                 p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, bufsize=1, env=env, start_new_session=True)
                 procs.append(p)
                 threading.Thread(target=read_lines, args=(p, q), daemon=True).start()
         open_streams, failed_at, timed_out = len(procs), None, False
+        grace = FAILURE_GRACE_S if store is None else FORKED_FAILURE_GRACE_S
         while True:
             # Print from this thread: in Jupyter, output from other threads can land in the wrong cell.
             open_streams -= drain(q, lines, output)
@@ -225,8 +245,8 @@ def _run(target: str, nproc: int, nnodes: int, timeout: float, output: str, extr
             if all(p.poll() is not None for p in procs):
                 break
             now = time.perf_counter()
-            if failed_at is not None and now - failed_at > FAILURE_GRACE_S:
-                break  # torchrun did not stop the job by itself in time: we will
+            if failed_at is not None and now - failed_at > grace:
+                break  # torchrun did not stop the job by itself in time (or there is no torchrun): we will
             if now - start > timeout:
                 timed_out = True
                 break
@@ -240,14 +260,18 @@ def _run(target: str, nproc: int, nnodes: int, timeout: float, output: str, extr
         if timed_out and not ranks.failures:  # what the kill itself caused is no failure of the job
             raise LaunchTimeout(f"{target} on {world_size} processes did not finish within {timeout:g} s; "
                                 "all its processes were killed", output="\n".join(lines))
-        apply_exit_codes(ranks.failures, ranks.pids, "\n".join(lines), time.time())
+        if store is not None:
+            apply_rank_exit_codes(ranks.failures, dict(enumerate(codes)), ranks.finished, time.time())
+        else:
+            apply_exit_codes(ranks.failures, ranks.pids, "\n".join(lines), time.time())
         if ranks.failures:
             raise build_error(ranks.failures, world_size, target, lines)
         if any(c != 0 for c in codes):
             text = "\n".join(lines)
             if _PORT_IN_USE.search(text) and not ranks.pids:
                 raise _PortTaken(f"port {port} was taken", output=text)
-            raise LaunchError(f"torchrun exited with codes {codes} running {target} "
+            who = "torchrun" if store is None else "the ranks"
+            raise LaunchError(f"{who} exited with codes {codes} running {target} "
                               "(a rendezvous or start-up error: see the output below)", output=text)
         missing = [r for r in range(world_size) if r not in ranks.finished]
         if missing:
@@ -257,10 +281,40 @@ def _run(target: str, nproc: int, nnodes: int, timeout: float, output: str, extr
         return results
     finally:
         _stop(procs, ranks)  # KeyboardInterrupt in a notebook, or any error above
+        if store is not None:
+            store.close()
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _stop(procs: list[subprocess.Popen[str]], ranks: _Ranks) -> None:
+def launcher_name(launcher: str | None, nnodes: int) -> str:
+    """``launcher``, or ``LSLM_LAUNCHER``, or ``"torchrun"``; ``ValueError`` for another name, or for the
+    forkserver asked for several nodes (it starts one machine's ranks). ``LSLM_LAUNCHER`` is a default: a
+    job of several nodes still goes through torchrun under ``LSLM_LAUNCHER=forkserver``."""
+    name = launcher if launcher is not None else os.environ.get(LAUNCHER_ENV, "torchrun")
+    if name not in LAUNCHERS:
+        source = "launcher" if launcher is not None else LAUNCHER_ENV
+        raise ValueError(f"{source} must be one of {', '.join(LAUNCHERS)}, got {name!r}")
+    if name == "forkserver" and nnodes != 1 and launcher is None:
+        return "torchrun"
+    if name == "forkserver" and nnodes != 1:
+        raise ValueError(f"the forkserver launcher starts one machine's ranks, got nnodes={nnodes!r}: "
+                         "use launcher='torchrun' for several nodes")
+    return name
+
+
+def _start_forked(worker_argv: list[str], nproc: int, folder: Path, env: dict[str, str], port: int,
+                  pythonpath: list[str], q: queue.Queue[str | None]) -> list[ForkedRank]:
+    """Fork the ranks (see :mod:`lslm.launcher.forkserver`) and follow each one's output file into ``q``."""
+    for rank in range(nproc):
+        output_file(folder, rank).touch()  # the reader opens it before the rank writes
+    forked = start_ranks(worker_argv, nproc, folder, env, port, [*pythonpath, os.getcwd()])
+    for rank, proc in enumerate(forked):
+        threading.Thread(target=tail_lines, args=(output_file(folder, rank), lambda p=proc: p.poll() is not None, q),
+                         daemon=True).start()
+    return forked
+
+
+def _stop(procs: list[Any], ranks: _Ranks) -> None:
     """Kill what is left of the job (agents, their workers, and workers whose agent is gone), then reap."""
     workers = [p for p in ranks.procs.values() if p is not None]
     if not any(p.poll() is None for p in procs) and not any(is_alive(w) for w in workers):

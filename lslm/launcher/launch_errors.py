@@ -169,6 +169,25 @@ def apply_exit_codes(failures: dict[int, RankFailure], pids: dict[int, int], out
                                          secondary=-code in _SHUTDOWN_SIGNALS)
 
 
+def apply_rank_exit_codes(failures: dict[int, RankFailure], codes: dict[int, int | None],
+                          finished: set[int], when: float) -> None:
+    """Exit codes known per rank (ranks the launcher started itself, no torchrun in between): fill in the code of
+    every rank that died silently, and add a rank that ended with a non-zero code but neither wrote its result
+    (``finished``) nor is named yet. ``when`` is the time given to those."""
+    for rank, code in codes.items():
+        if code in (0, None):
+            continue
+        f = failures.get(rank)
+        if f is None:
+            if rank not in finished:
+                failures[rank] = RankFailure(rank, when, death_summary(code), exitcode=code,
+                                             secondary=-code in _SHUTDOWN_SIGNALS)
+        elif f.exitcode is None and not f.raised:
+            f.exitcode = code
+            f.summary = death_summary(code)
+            f.secondary = f.secondary or (f.signal in _SHUTDOWN_SIGNALS)
+
+
 def order_failures(failures: Iterable[RankFailure]) -> list[RankFailure]:
     """Root cause first: a rank that failed for its own reason before one that lost a peer, then by time.
 

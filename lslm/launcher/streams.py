@@ -2,7 +2,8 @@
 
 :func:`lslm.launch` and :func:`lslm.integrations.torchrun_file.torchrun_file` both stream torchrun's merged output
 this way: :func:`read_lines` in a daemon thread per process feeds a queue, :func:`drain` prints what is queued
-between polls, :func:`finish_reading` collects the last lines once the processes have exited.
+between polls, :func:`finish_reading` collects the last lines once the processes have exited. Ranks forked by
+:mod:`lslm.launcher.forkserver` write to a file each instead of a pipe: :func:`tail_lines` follows such a file.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import queue
 import subprocess
 import time
+from collections.abc import Callable
+from pathlib import Path
 
-__all__ = ["drain", "emit", "finish_reading", "read_lines"]
+__all__ = ["drain", "emit", "finish_reading", "read_lines", "tail_lines"]
 
 
 def read_lines(proc: subprocess.Popen[str], q: queue.Queue[str | None]) -> None:
@@ -20,6 +23,27 @@ def read_lines(proc: subprocess.Popen[str], q: queue.Queue[str | None]) -> None:
     for line in proc.stdout:
         q.put(line.rstrip("\n"))
     q.put(None)
+
+
+def tail_lines(path: Path, ended: Callable[[], bool], q: queue.Queue[str | None], poll_s: float = 0.02) -> None:
+    """Put every line written to the file ``path`` on ``q`` as it grows, then ``None`` once ``ended()`` is true and
+    the file is read to its end (run it in a thread; a forked rank writes its output to such a file)."""
+    pending = ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        while True:
+            done = ended()  # asked before reading: what was written before the end is read below
+            chunk = f.read()
+            if chunk:
+                *complete, pending = (pending + chunk).split("\n")
+                for line in complete:
+                    q.put(line)
+            elif done:
+                if pending:
+                    q.put(pending)
+                q.put(None)
+                return
+            else:
+                time.sleep(poll_s)
 
 
 def emit(line: str, lines: list[str], output: str) -> None:

@@ -152,7 +152,8 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 print("where the time goes: one step's kernels profiled by kind on that H200 against the model")
                 print(format_breakdown(breakdown(results_dir(ns.results) / "gpu")))
             print()
-            print("the calculator (a100-80gb / h100-sxm: the H200's efficiencies scaled by peak and bandwidth) "
+            print("the calculator (a100-80gb / h100-sxm / h100-96gb-hbm2e: the H200's efficiencies scaled by peak and "
+                  "bandwidth) "
                   "against published multi-GPU runs (lslm.plan.published: each row's table, row and assumptions)")
             print(format_published(validate_published()))
             return 0

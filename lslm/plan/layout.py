@@ -27,7 +27,10 @@ element, :data:`lslm.plan.hardware.OPTIMIZER_BYTES`; the optimizer states' memor
 DeepSpeed-Ulysses' all-to-all; :mod:`lslm.context_parallel` implements both; it names the attention core, so
 ``"ulysses"`` at ``cp = 1`` is that core on one device), ``dp_shard`` (HSDP, torchtitan's
 ``dp_replicate x dp_shard``: the ZeRO states shard over ``dp_shard · cp`` ranks and are replicated
-``dp / dp_shard`` times; ``None``: ``dp``, plain sharding).
+``dp / dp_shard`` times; ``None``: ``dp``, plain sharding), ``dp_overlap`` (True: the data-parallel reduction
+starts during the backward, as lslm's bucketed DDP, torch DDP and ZeRO do; False: it runs after the whole backward,
+as Megatron-LM's ``local`` DDP did before its ``--overlap-grad-reduce`` option: ``train_step`` called
+``allreduce_gradients()`` once the forward-backward function had returned).
 
 Context parallelism splits the sequence: every device of a ``cp`` group holds ``s/cp`` tokens of each sequence and
 the whole model (parameters are replicated over ``cp``; gradients are reduced over ``dp · cp``).
@@ -75,6 +78,7 @@ class Layout:
     cp_method: str = "ring"
     dp_shard: int | None = None
     mixed: str = "masters"
+    dp_overlap: bool = True  #: False: the data-parallel reduction waits for the whole backward (module doc)
     #: layers of each pipeline stage, first to last (None: ``n_layer / pp`` each); e.g. Llama 3 405B's 126 layers
     #: on 16 stages, one fewer on the first and the last: ``(7,) + (8,) * 14 + (7,)``
     stage_layers: tuple[int, ...] | None = None
@@ -121,6 +125,8 @@ class Layout:
             if self.dp_shard < self.dp and self.zero == 0:
                 raise ValueError(f"dp_shard={self.dp_shard} < dp={self.dp} shards ZeRO's states over part of dp "
                                  "(HSDP): it needs zero >= 1")
+        if not isinstance(self.dp_overlap, bool):
+            raise ValueError(f"Layout.dp_overlap must be True or False, got {self.dp_overlap!r}")
         if not 0 < self.bucket_mb < math.inf:
             raise ValueError(f"Layout.bucket_mb must be finite and > 0 (megabytes per data-parallel bucket), "
                              f"got {self.bucket_mb!r}")

@@ -24,10 +24,12 @@ forward + backward (+ recompute) of the stage::
     step    = compute + bubble + tp + pp + exposed cp + exposed dp
 
 Tensor-parallel and pipeline communication is on the critical path (not overlapped: lslm's, and Megatron's
-without its overlap options); data-parallel communication is overlapped with the backward of the last
-micro-batch where it can be: stage 0's all-reduce and stage 1's reduce-scatter start during that backward,
-stage 2's per-micro-batch reduce-scatters during each micro-batch's backward, and the all-gather of stages
-1-2 follows the optimizer step (exposed); stage 3's per-micro-batch gathers and reduce-scatters
+without its overlap options); with ``Layout.dp_overlap=False`` (Megatron-LM's ``local`` DDP of 2021) all
+data-parallel communication follows the backward, exposed; otherwise data-parallel communication is
+overlapped with the backward of the last micro-batch where it can be: stage 0's all-reduce and stage 1's
+reduce-scatter start during that backward, stage 2's per-micro-batch reduce-scatters during each
+micro-batch's backward, and the all-gather of stages 1-2 follows the optimizer step (exposed); stage 3's
+per-micro-batch gathers and reduce-scatters
 are prefetched behind that micro-batch's compute (exposed only beyond it). Offload's host copies and disk
 traffic are timed only where the hardware gives their rates (below); the optimizer step itself is timed at the
 device's ``optimizer_Bps`` wherever it runs. HSDP's all-reduce of the gradient slices across replicas runs in the
@@ -261,9 +263,10 @@ def step_time(model: ModelSpec, layout: Layout, hw: Hardware, m: int,
         # HSDP: the all-reduce of the slices across replicas runs once, in the step, after the backward (exposed).
         across = sum(c.time_s for c in dp.collectives if c.axis == "dp_replicate")
         inside = dp.time_s - across
-        if no_overlap:
+        if no_overlap or not layout.dp_overlap:
             exposed = inside
-            how = "all of it: every core computes, none is left to overlap communication"
+            how = ("all of it: every core computes, none is left to overlap communication" if no_overlap else
+                   "all of it: the reduction starts after the backward (Layout.dp_overlap=False)")
             verdicts.append(Verdict("dp", inside, m * t_bwd, "per step, against the step's backward"))
         elif layout.zero == 3:
             per_mb = inside / m  # everything moves every micro-batch, prefetched behind its compute

@@ -28,8 +28,9 @@ OFFLOADS = (None, "cpu", "disk")
 
 
 def check_arguments(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ParallelContext, *, stage: int,
-                    dtype: torch.dtype, scaler: DynamicLossScaler | None, max_inflight: int, offload: str | None,
-                    offload_dir: str | Path | None, init_seed: int | None) -> tuple[list[nn.Parameter], bool]:
+                    dtype: torch.dtype, scaler: DynamicLossScaler | None, max_inflight: int, prefetch: int = 1,
+                    offload: str | None, offload_dir: str | Path | None,
+                    init_seed: int | None) -> tuple[list[nn.Parameter], bool]:
     """Refuse what ZeroOptimizer does not implement (``ValueError``, in a fixed order); return the model's
     trainable parameters and whether the model is on the meta device."""
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
@@ -94,4 +95,7 @@ def check_arguments(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: Par
         check_writable(offload_dir)  # before anything changes
     if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
         raise ValueError(f"max_inflight must be an int >= 1 (buckets reduced at once), got {max_inflight!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0 (stage 3's units gathered ahead of the one computing; 0: "
+                         f"none, each unit gathered only when it is needed), got {prefetch!r}")
     return params, meta

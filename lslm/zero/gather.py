@@ -67,7 +67,7 @@ def grow_storage(t: torch.Tensor) -> None:
 
 
 class UnitGather:
-    """Stage 3's gathers, frees and one-unit prefetch over a flat layout of buckets (the units, then the root).
+    """Stage 3's gathers, frees and prefetches over a flat layout of buckets (the units, then the root).
 
     ``params``/``offsets``/``shapes``: the parameters in layout order; ``buckets``: ``(start, end, indices,
     padding)`` per bucket; ``shard``: this rank's slices of every bucket, back to back, with bucket ``b``'s at
@@ -141,23 +141,25 @@ class UnitGather:
         return sum(t.untyped_storage().nbytes() for b, t in self.buffers.items() if not (units_only and b == root))
 
     # -- the hooks on each unit ----------------------------------------------------------------------------------
-    def pre_forward_hook(self, b: int, following: int | None) -> Callable[..., None]:
-        """Gather unit ``b`` before its forward and start the next unit's gather (one unit of look-ahead)."""
+    def pre_forward_hook(self, b: int, following: Sequence[int]) -> Callable[..., None]:
+        """Gather unit ``b`` before its forward and start the gathers of ``following``, the next units of the
+        forward (the look-ahead: one unit by default, none with ``prefetch=0``)."""
         def hook(_module: nn.Module, _args: Any) -> None:
             self.ensure(b)
-            if following is not None:
-                self.prefetch(following)  # its gather overlaps this unit's forward
+            for f in following:
+                self.prefetch(f)  # its gather overlaps this unit's forward
         return hook
 
-    def post_forward_hook(self, b: int, preceding: int | None, reshard: bool) -> Callable[..., None]:
-        """After unit ``b``'s forward: arm its re-gather for backward, and (``reshard``) free it now."""
+    def post_forward_hook(self, b: int, preceding: Sequence[int], reshard: bool) -> Callable[..., None]:
+        """After unit ``b``'s forward: arm its re-gather for backward (which starts the gathers of ``preceding``,
+        the next units of the backward), and (``reshard``) free it now."""
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
                 def pre_backward(grad: torch.Tensor) -> None:
-                    # The gradient of this unit's output exists: its backward is next, the unit before it after.
+                    # The gradient of this unit's output exists: its backward is next, the units before it after.
                     self.ensure(b)
-                    if preceding is not None:
-                        self.prefetch(preceding)
+                    for q in preceding:
+                        self.prefetch(q)
                 output.register_hook(pre_backward)
             # A forward run by backward (recomputation) keeps the unit: its saved tensors are used right away.
             if reshard and torch._C._current_graph_task_id() == -1:

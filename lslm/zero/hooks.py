@@ -8,8 +8,9 @@ This module only wires them to the model:
 * stages 2-3: every parameter's post-accumulate-grad hook counts its gradient into its bucket, which is
   reduce-scattered once complete;
 * stage 3: a unit is gathered just before its forward (the next unit's gather started at the same time: one
-  unit of look-ahead) and freed after it; the gradient of its output gathers it again before its backward
-  (:meth:`~lslm.zero.gather.UnitGather.post_forward_hook`); the root is gathered before the model's forward.
+  unit of look-ahead by default, ``prefetch`` units in general, none with 0) and freed after it; the gradient
+  of its output gathers it again before its backward (:meth:`~lslm.zero.gather.UnitGather.post_forward_hook`);
+  the root is gathered before the model's forward.
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ def attach_grad_hooks(params: Sequence[nn.Parameter], reducer: BackwardReduceSca
 
 
 def attach_unit_hooks(model: nn.Module, unit_modules: Sequence[nn.Module], gather: UnitGather, root: int,
-                      reshard_after_forward: bool) -> list[Any]:
+                      reshard_after_forward: bool, prefetch: int = 1) -> list[Any]:
     """Stage 3: gather, prefetch and free each unit around its forward (``unit_modules`` in reverse forward order,
-    bucket ``b`` holding ``unit_modules[b]``), and the ``root`` bucket before the model's forward; the handles."""
+    bucket ``b`` holding ``unit_modules[b]``), and the ``root`` bucket before the model's forward; the handles.
+    ``prefetch``: how many units ahead a unit's forward (and backward) starts gathering; 0 gathers each unit only
+    when it is needed, so nothing waits in flight beside it."""
     hooks = []
     n = len(unit_modules)
     for b, module in enumerate(unit_modules):  # bucket b holds the (n-1-b)-th unit of the forward
-        following = b - 1 if b > 0 else None  # the next unit of the forward
-        preceding = b + 1 if b + 1 < n else None  # the unit before it: the next one backward
+        following = list(range(b - 1, max(b - 1 - prefetch, -1), -1))  # the next units of the forward
+        preceding = list(range(b + 1, min(b + 1 + prefetch, n)))  # the units before it: the next ones backward
         hooks.append(module.register_forward_pre_hook(gather.pre_forward_hook(b, following)))
         hooks.append(module.register_forward_hook(gather.post_forward_hook(b, preceding, reshard_after_forward)))
     hooks.append(model.register_forward_pre_hook(lambda _m, _a: gather.ensure(root)))

@@ -108,8 +108,10 @@ class ZeroOptimizer:
     ``stage``: 1 (the whole gradient buffer, reduce-scattered at the step), 2 (only this
     rank's gradient slices, reduce-scattered bucket by bucket during backward, at most
     ``max_inflight`` at once) or 3 (parameters too: ``units``, the modules gathered as a
-    whole, default ``model.blocks``; ``reshard_after_forward``). At stage 3 the parameters
-    are empty between steps: :meth:`full_state_dict` gathers them. ``offload="cpu"``
+    whole, default ``model.blocks``; ``reshard_after_forward``; ``prefetch``: how many units
+    ahead a unit's forward or backward starts gathering, 1 by default, 0 for none, when a step
+    must hold only the root and the unit computing). At stage 3 the parameters are empty
+    between steps: :meth:`full_state_dict` gathers them. ``offload="cpu"``
     (ZeRO-Offload, Ren et al. 2021): fp32 masters, optimizer states and the step live on the
     host; each step brings this rank's gradient slice down (fp32) and sends the updated weights
     up (in the model's dtype), counted in :attr:`offload_bytes`. On a CPU-only machine host and
@@ -136,12 +138,12 @@ class ZeroOptimizer:
                  stage: int = 1, dtype: torch.dtype = torch.float32, scaler: DynamicLossScaler | None = None,
                  grad_dtype: torch.dtype = torch.float32, bucket_cap_mb: float | None = 25.0,
                  max_inflight: int = 2, units: list[nn.Module] | None = None,
-                 reshard_after_forward: bool = True, offload: str | None = None,
+                 reshard_after_forward: bool = True, prefetch: int = 1, offload: str | None = None,
                  offload_dir: str | Path | None = None, disk_chunk_mb: float = 16.0,
                  init_seed: int | None = None) -> None:
         params, meta = check_arguments(model, optimizer, ctx, stage=stage, dtype=dtype, scaler=scaler,
-                                       max_inflight=max_inflight, offload=offload, offload_dir=offload_dir,
-                                       init_seed=init_seed)
+                                       max_inflight=max_inflight, prefetch=prefetch, offload=offload,
+                                       offload_dir=offload_dir, init_seed=init_seed)
         self.model, self.ctx, self.stage, self.dtype, self.scaler = model, ctx, stage, dtype, scaler
         self.max_inflight = max_inflight
         #: Stage 3's gathers and frees (:mod:`lslm.zero.gather`); ``None`` below stage 3.
@@ -277,9 +279,10 @@ class ZeroOptimizer:
             self._hooks = attach_grad_hooks(self.params, self.reducer)
         if self.gather is not None:
             self.reshard_after_forward = bool(reshard_after_forward)
+            self.prefetch = prefetch
             self._root = len(self.buckets) - 1  # the parameters outside every unit: gathered for a whole step
             self._hooks += attach_unit_hooks(model, self.unit_modules, self.gather, self._root,
-                                             self.reshard_after_forward)
+                                             self.reshard_after_forward, prefetch)
 
     def _on_host(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` where the offloaded states live (:func:`lslm.zero.offload.on_host`), or ``t`` without offload."""
