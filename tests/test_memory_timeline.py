@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import json
+
 import matplotlib
 import pytest
 import torch
@@ -37,6 +39,7 @@ def test_timeline_from_the_profilers_rows() -> None:
                                                                  "gradient": 100, "temporary": 7}
     assert tl.category("activation") == [0, 50, 50, 0]
     assert tl.ranges == (("lslm.phase:F", 12, 22), ("lslm.phase:B", 25, 35)) and tl.start_us == 10
+    assert MemoryTimeline.from_dict(json.loads(json.dumps(tl.to_dict()))) == tl
     with pytest.raises(ValueError, match="categories changed"):
         timeline_from_sizes([1], [[0, 1, 2]], "cpu")
     with pytest.raises(ValueError, match="one row per time"):

@@ -138,6 +138,21 @@ def test_every_technique_writes_a_trace_with_the_ledgers_calls(traced: Any, name
             assert in_ledger and in_trace == in_ledger, (name, rank, step)
 
 
+def test_the_1f1b_trace_holds_every_send_and_receive_with_its_bytes(traced: Any) -> None:
+    """2 stages, 2 micro-batches of 4 rows (batch 8) of 64 tokens x width 64, fp32: every message is 65,536 B."""
+    from lslm.pipeline.executor import ACTION_PREFIX
+
+    _, ranks = traced
+    for rank, records in enumerate(ranks):
+        info = records["1f1b"]["trace"]
+        p2p = [c for c in load_trace(info["path"]).collectives if c.info.op in ("send", "recv")]
+        # per step: rank 0 sends 2 activations and receives 2 gradients, rank 1 the reverse; 2 steps traced
+        assert sorted(c.info.op for c in p2p) == ["recv"] * 4 + ["send"] * 4, rank
+        assert {(c.info.nbytes, c.info.peer) for c in p2p} == {(4 * 64 * 64 * 4, 1 - rank)}
+        names = {e["name"] for e in json.loads(Path(info["path"]).read_text())["traceEvents"]}
+        assert {f"{ACTION_PREFIX}{k}{mb} s{rank}" for k in "FB" for mb in (0, 1)} <= names
+
+
 def test_ddp_exposed_comm_agrees_with_the_recipes_measure(traced: Any) -> None:
     """Waits in the trace vs ``sync_end - backward_end`` (the recipe's exposed comm), summed over ranks and steps."""
     _, ranks = traced

@@ -17,13 +17,16 @@ from typing import Any
 
 import torch
 
+from lslm.metrics.memory_timeline import record_memory_timeline
+from lslm.metrics.trace import StepTracer
 from lslm.models.gpt import GPT, GPTConfig
 from lslm.pipeline.apply import PipelinePlan, apply_pipeline
+from lslm.pipeline.executor import ACTION_PREFIX
 from lslm.pipeline.partition import partition_units, split_gpt, unit_costs, unit_names
 from lslm.runtime import init_distributed
 
-__all__ = ["DEMO_MODEL", "partition_report", "schedules_worker", "tied_worker", "torch_side_by_side_worker",
-           "two_bw_worker"]
+__all__ = ["DEMO_MODEL", "memory_timeline_step", "partition_report", "schedules_worker", "tied_worker",
+           "torch_side_by_side_worker", "traced_step", "two_bw_worker"]
 
 #: The notebook's GPT: deep enough for 2 x 4 virtual stages, wide enough that compute dominates per-action overhead.
 DEMO_MODEL: dict[str, int] = dict(vocab_size=1024, block_size=64, n_layer=8, n_head=4, n_embd=128)
@@ -98,8 +101,54 @@ def contention(ctx: Any, cfg: GPTConfig, rows: int, repeats: int = 15) -> dict[s
     return {"alone_s": alone, "together_s": together}
 
 
+def traced_step(pipe: Any, x: torch.Tensor, y: torch.Tensor, ctx: Any, trace: str, name: str) -> dict[str, Any]:
+    """One more step of ``pipe`` under the profiler's trace (step ``"0"``, after a barrier ``"sync"`` that absorbs
+    the ranks' different profiler start-up times), written as ``trace_path(trace, name, rank)``: compute, the
+    ledger's sends and receives, each action a named range. Returns ``trace`` (the file) and ``seconds``."""
+    started = time.perf_counter()
+    for p in pipe.parameters():
+        p.grad = None
+    tracer = StepTracer(trace, name, ctx.rank, ctx.device, ["sync", "0"])
+    with tracer.step("sync"):
+        ctx.comm.barrier(label="pp demo profiler start")
+    with tracer.step("0"):
+        pipe.step(x, y)
+    return {"trace": str(tracer.path), "seconds": time.perf_counter() - started}
+
+
+def memory_timeline_step(ctx: Any, cfg: GPTConfig, plan: dict[str, Any], rows: int, seed: int = 0) -> dict[str, Any]:
+    """The memory profiler's timeline of one step of ``cfg`` pipelined by ``plan`` (:class:`PipelinePlan` fields)
+    on ``rows`` rows, after one unprofiled step; each action a range. The profiler records every op with its
+    Python stack and then builds a data-flow graph, seconds per thousand ops: keep the model small. Returns
+    ``memory_timeline`` (:meth:`MemoryTimeline.to_dict`) or ``memory_error`` (the profiler's own data-flow check
+    fails now and then with gloo's threads; tried twice), and ``seconds``."""
+    started = time.perf_counter()
+    x, y = _batch(cfg, rows, seed, ctx.device)
+    torch.manual_seed(seed)
+    pipe = apply_pipeline(GPT(cfg), ctx, PipelinePlan(**plan))
+    params = list(pipe.parameters())
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        pipe.step(x, y)
+
+    step()  # the kernels' own first allocations happen here, not in the profiled step
+    out: dict[str, Any] = {}
+    for _ in range(2):
+        try:
+            timeline, _ = record_memory_timeline(step, ctx.device, range_prefixes=(ACTION_PREFIX,))
+            out = {"memory_timeline": timeline.to_dict()}
+            break
+        except AssertionError as exc:
+            out = {"memory_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    out["seconds"] = time.perf_counter() - started
+    return out
+
+
 def schedules_worker(runs: list[dict[str, Any]], model: dict[str, int] | None = None, batch_size: int = 16,
-                     steps: int = 3, seed: int = 0) -> dict[str, Any]:
+                     steps: int = 3, seed: int = 0, trace: str | None = None, profile: tuple[int, ...] = (),
+                     memory_timeline: dict[str, Any] | None = None) -> dict[str, Any]:
     """Launch target: each plan of ``runs`` (:class:`PipelinePlan` fields) on every rank, ``steps`` steps each.
 
     Every step is the same batch from zeroed gradients (no optimizer), so the gradients can
@@ -108,8 +157,14 @@ def schedules_worker(runs: list[dict[str, Any]], model: dict[str, int] | None = 
     ``|pipeline - serial|`` over this rank's gradients), ``max_grad`` (largest ``|serial|``),
     ``timeline`` (every rank's, ``Timeline.to_dict()``), ``memory`` (the executor's counts),
     ``step_s`` (each step's wall time on this rank) and ``p2p_bytes`` (this rank's sends, one step);
-    and once, ``contention``: :func:`contention` on a micro-batch of the first run's size.
+    and once, ``contention``: :func:`contention` on a micro-batch of the first run's size. Runs whose index is in
+    ``profile`` then take one more step under the profiler's trace (:func:`traced_step`, written to the folder
+    ``trace``) and add ``traced``: nothing above is measured in it. ``memory_timeline``: ``{"model": {...},
+    "plan": {...}, "rows": n}``, one step of that (small) pipeline under the memory profiler
+    (:func:`memory_timeline_step`), returned as ``memory_timeline``.
     """
+    if profile and not trace:
+        raise ValueError("profile=[...] needs trace=DIR: the folder the profiled runs write their traces to")
     cfg = GPTConfig(**{**DEMO_MODEL, **(model or {})})
     ctx = init_distributed(pp=int(__import__("os").environ.get("WORLD_SIZE", "1")), seed=seed)
     with ctx:
@@ -137,10 +192,19 @@ def schedules_worker(runs: list[dict[str, Any]], model: dict[str, int] | None = 
                             "max_grad": max(serial_grads[n].abs().max().item() for n in params),
                             "timeline": timeline.to_dict(), "memory": pipe.last_memory, "step_s": step_s,
                             "p2p_bytes": p2p})
+            if len(results) - 1 in profile:
+                assert trace is not None
+                name = f"{run['schedule']}-{len(results) - 1}"
+                results[-1]["traced"] = traced_step(pipe, x, y, ctx, trace, name)
             ctx.comm.ledger.reset()
         assert all(math.isfinite(r["loss"]) for r in results)
-        return {"rank": ctx.rank, "pp": ctx.pp_size, "batch_size": batch_size, "model": cfg.__dict__,
-                "contention": timing, "results": results}
+        out = {"rank": ctx.rank, "pp": ctx.pp_size, "batch_size": batch_size, "model": cfg.__dict__,
+               "contention": timing, "results": results}
+        if memory_timeline is not None:
+            small = GPTConfig(**{**DEMO_MODEL, **(model or {}), **memory_timeline.get("model", {})})
+            out["memory_timeline"] = memory_timeline_step(ctx, small, memory_timeline["plan"],
+                                                          memory_timeline["rows"], seed)
+        return out
 
 
 def tied_worker(schedules: list[str], microbatches: int = 4, model: dict[str, int] | None = None,

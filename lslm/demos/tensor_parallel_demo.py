@@ -134,66 +134,85 @@ def _tiny(dropout: float = 0.0) -> GPTConfig:
 
 
 def per_layer_traffic_worker(tp: int, sequence_parallel: bool = False, async_grad_allreduce: bool = False,
-                             batch: int = 4, seq: int = 32, steps: int = 3, seed: int = 0) -> dict[str, Any]:
+                             batch: int = 4, seq: int = 32, steps: int = 3, seed: int = 0,
+                             variants: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One TP training step of the tiny GPT: every ledger record (op, label, bytes, bus bytes), and with
-    ``async_grad_allreduce`` the overlap summary over ``steps`` steps (the first one skipped: warm-up)."""
+    ``async_grad_allreduce`` the overlap summary over ``steps`` steps (the first one skipped: warm-up).
+    ``variants``: several settings (e.g. ``[{"sequence_parallel": False}, {"sequence_parallel": True}]``) run one
+    after the other in the same processes, returned as ``{"variants": [result, ...]}`` (one launch, not one each)."""
     ctx = init_distributed(tp=tp, seed=seed)
     with ctx:
-        torch.manual_seed(seed)
-        model = apply_tensor_parallel(GPT(_tiny()).to(ctx.device), ctx, sequence_parallel=sequence_parallel,
-                                      async_grad_allreduce=async_grad_allreduce)
-        log = overlap_log(model)
-        g = torch.Generator().manual_seed(seed)
-        records: list[list[Any]] = []
-        for step in range(steps):
-            tok = torch.randint(0, model.tensor_parallel.vocab_size, (batch, seq + 1),
-                                generator=g).to(ctx.device)  # lslm: cpu-ok (seeded, then moved)
-            ctx.comm.ledger.reset()
-            if step == 1:
-                log.clear()
-            logits, _ = model(tok[:, :-1])
-            loss = vocab_parallel_cross_entropy(logits, tok[:, 1:], ctx, vocab_size=model.tensor_parallel.vocab_size)
-            loss.backward()
-            sync_tensor_parallel_grads(model, ctx)
-            if step == 0:
-                records = [[r.op, r.label, r.nbytes, r.bus_bytes] for r in ctx.comm.ledger.records]
-        return {"records": records, "overlap": overlap_summary(log) if async_grad_allreduce else None,
-                "n_layer": model.config.n_layer, "bsh_bytes": batch * seq * model.config.n_embd * 4}
+        base = dict(sequence_parallel=sequence_parallel, async_grad_allreduce=async_grad_allreduce, batch=batch,
+                    seq=seq, steps=steps, seed=seed)
+        if variants is not None:
+            return {"variants": [_per_layer_traffic(ctx, **{**base, **v}) for v in variants]}
+        return _per_layer_traffic(ctx, **base)
 
 
-def sp_drift_worker(tp: int = 2, steps: int = 8, sync: bool = True, seed: int = 0, batch: int = 4,
+def _per_layer_traffic(ctx: Any, sequence_parallel: bool, async_grad_allreduce: bool, batch: int, seq: int,
+                       steps: int, seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = apply_tensor_parallel(GPT(_tiny()).to(ctx.device), ctx, sequence_parallel=sequence_parallel,
+                                  async_grad_allreduce=async_grad_allreduce)
+    log = overlap_log(model)
+    g = torch.Generator().manual_seed(seed)
+    records: list[list[Any]] = []
+    for step in range(steps):
+        tok = torch.randint(0, model.tensor_parallel.vocab_size, (batch, seq + 1),
+                            generator=g).to(ctx.device)  # lslm: cpu-ok (seeded, then moved)
+        ctx.comm.ledger.reset()
+        if step == 1:
+            log.clear()
+        logits, _ = model(tok[:, :-1])
+        loss = vocab_parallel_cross_entropy(logits, tok[:, 1:], ctx, vocab_size=model.tensor_parallel.vocab_size)
+        loss.backward()
+        sync_tensor_parallel_grads(model, ctx)
+        if step == 0:
+            records = [[r.op, r.label, r.nbytes, r.bus_bytes] for r in ctx.comm.ledger.records]
+    return {"records": records, "overlap": overlap_summary(log) if async_grad_allreduce else None,
+            "n_layer": model.config.n_layer, "bsh_bytes": batch * seq * model.config.n_embd * 4}
+
+
+def sp_drift_worker(tp: int = 2, steps: int = 8, sync: bool | list[bool] = True, seed: int = 0, batch: int = 4,
                     seq: int = 32) -> dict[str, Any]:
     """Train the tiny GPT with sequence parallelism, with or without the replicated-gradient sync; after every step,
     the largest difference between TP ranks' copies of a replicated parameter (LayerNorm weights, biases), the same
-    number on every rank."""
+    number on every rank. ``sync`` a list: each setting in turn in the same processes, returned as
+    ``{"by_sync": {"True": result, "False": result}}`` (one launch, not one each)."""
     ctx = init_distributed(tp=tp, seed=seed)
     with ctx:
-        torch.manual_seed(seed)
-        model = apply_tensor_parallel(GPT(_tiny()).to(ctx.device), ctx, sequence_parallel=True)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        replicated = [p for p in model.parameters() if not p.tensor_model_parallel]
-        g = torch.Generator().manual_seed(seed)
-        drift, losses = [], []
-        for _ in range(steps):
-            tok = torch.randint(0, model.tensor_parallel.vocab_size, (batch, seq + 1),
-                                generator=g).to(ctx.device)  # lslm: cpu-ok (seeded, then moved)
-            logits, _ = model(tok[:, :-1])
-            loss = vocab_parallel_cross_entropy(logits, tok[:, 1:], ctx, vocab_size=model.tensor_parallel.vocab_size)
-            opt.zero_grad()
-            loss.backward()
-            if sync:
-                sync_tensor_parallel_grads(model, ctx)
-            opt.step()
-            worst = torch.zeros((), device=ctx.device)
-            for p in replicated:
-                first = p.detach().clone()
-                ctx.comm.broadcast(first, src=ctx.group_ranks("tp")[0], group=ctx.tp_group, label="check")
-                worst = torch.maximum(worst, (first - p.detach()).abs().max())
-            # The largest over the TP ranks (TP rank 0 compares its copy with itself), on every rank.
-            ctx.comm.all_reduce(worst, op=torch.distributed.ReduceOp.MAX, group=ctx.tp_group, label="check")
-            drift.append(worst.item())
-            losses.append(loss.item())
-        return {"drift": drift, "losses": losses, "replicated_params": sum(p.numel() for p in replicated)}
+        if isinstance(sync, list):
+            return {"by_sync": {str(s): _sp_drift(ctx, steps, bool(s), seed, batch, seq) for s in sync}}
+        return _sp_drift(ctx, steps, sync, seed, batch, seq)
+
+
+def _sp_drift(ctx: Any, steps: int, sync: bool, seed: int, batch: int, seq: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = apply_tensor_parallel(GPT(_tiny()).to(ctx.device), ctx, sequence_parallel=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    replicated = [p for p in model.parameters() if not p.tensor_model_parallel]
+    g = torch.Generator().manual_seed(seed)
+    drift, losses = [], []
+    for _ in range(steps):
+        tok = torch.randint(0, model.tensor_parallel.vocab_size, (batch, seq + 1),
+                            generator=g).to(ctx.device)  # lslm: cpu-ok (seeded, then moved)
+        logits, _ = model(tok[:, :-1])
+        loss = vocab_parallel_cross_entropy(logits, tok[:, 1:], ctx, vocab_size=model.tensor_parallel.vocab_size)
+        opt.zero_grad()
+        loss.backward()
+        if sync:
+            sync_tensor_parallel_grads(model, ctx)
+        opt.step()
+        worst = torch.zeros((), device=ctx.device)
+        for p in replicated:
+            first = p.detach().clone()
+            ctx.comm.broadcast(first, src=ctx.group_ranks("tp")[0], group=ctx.tp_group, label="check")
+            worst = torch.maximum(worst, (first - p.detach()).abs().max())
+        # The largest over the TP ranks (TP rank 0 compares its copy with itself), on every rank.
+        ctx.comm.all_reduce(worst, op=torch.distributed.ReduceOp.MAX, group=ctx.tp_group, label="check")
+        drift.append(worst.item())
+        losses.append(loss.item())
+    return {"drift": drift, "losses": losses, "replicated_params": sum(p.numel() for p in replicated)}
 
 
 def dropout_masks_worker(tp: int = 2, seed: int = 0, n: int = 16, p: float = 0.5) -> dict[str, Any]:

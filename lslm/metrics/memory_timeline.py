@@ -76,6 +76,17 @@ class MemoryTimeline:
         """Bytes by category when the total peaks (all zero for an empty timeline)."""
         return self.at(self.peak_index()) if self.bytes else dict.fromkeys(self.categories, 0)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (what a launched worker returns); :meth:`from_dict` reads it back."""
+        return {"device": self.device, "times_us": list(self.times_us), "bytes": [list(r) for r in self.bytes],
+                "ranges": [list(r) for r in self.ranges], "categories": list(self.categories)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MemoryTimeline:
+        """The timeline :meth:`to_dict` wrote."""
+        return cls(d["device"], tuple(d["times_us"]), tuple(tuple(r) for r in d["bytes"]),
+                   tuple((str(n), int(a), int(b)) for n, a, b in d["ranges"]), tuple(d["categories"]))
+
     def category(self, name: str) -> list[int]:
         """One category's bytes at every sample."""
         if name not in self.categories:

@@ -15,20 +15,23 @@ A schedule (:mod:`lslm.pipeline.schedules`) gives each rank an ordered list of a
   rest of the schedule and is waited at the end): one all-reduce per bucket of the stage's
   gradient buffers, in place, or one flat all-reduce of its ``.grad`` without buffers.
 
-Optional recording: a timeline (compute from ``perf_counter`` around each action,
-synchronising the device first on CUDA; communication from the ledger's issue and
-completion times, which the ledger stamps only inside a recorded step: ``ledger.timed()``)
-and activation memory (:class:`~lslm.pipeline.memory.PipelineMemory`).
+While a profiler runs, each compute action is a named range (:func:`action_range`). Optional
+recording: a timeline (compute from ``perf_counter`` around each action, synchronising the
+device first on CUDA; communication from the ledger's issue and completion times, which the
+ledger stamps only inside a recorded step: ``ledger.timed()``) and activation memory
+(:class:`~lslm.pipeline.memory.PipelineMemory`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.profiler import record_function
 
 from lslm.data_parallel.grad_sync import finish_reductions, reduce_buffers, split_by_holder
 from lslm.pipeline.actions import COMM_KINDS, COMPUTE_KINDS, Action
@@ -36,12 +39,22 @@ from lslm.pipeline.memory import PipelineMemory
 from lslm.pipeline.p2p import action_of_record, exchange
 from lslm.pipeline.stage import StageRuntime
 from lslm.pipeline.timeline import Event, Timeline
+from lslm.runtime.comm_trace import profiling
 from lslm.runtime.context import ParallelContext
 from lslm.runtime.startup import synchronize
 
-__all__ = ["KINDS", "PipelineExecutor", "StepResult", "dp_grad_label", "gather_timeline"]
+__all__ = ["ACTION_PREFIX", "KINDS", "PipelineExecutor", "StepResult", "action_range", "dp_grad_label",
+           "gather_timeline"]
 
 KINDS = COMPUTE_KINDS + COMM_KINDS
+#: Name prefix of a compute action's profiler range: ``lslm.action:F3 s0`` is micro-batch 3's forward on stage 0.
+ACTION_PREFIX = "lslm.action:"
+
+
+def action_range(a: Action) -> Any:
+    """A ``record_function`` range named after compute action ``a`` while a profiler runs (else a no-op), so a
+    trace or a memory timeline says which action ran when."""
+    return record_function(f"{ACTION_PREFIX}{a.kind}{a.mb} s{a.stage}") if profiling() else nullcontext()
 
 
 def dp_grad_label(stage: int) -> str:
@@ -127,7 +140,8 @@ class PipelineExecutor:
                     self._communicate(self.actions[i:j], st)
                     i = j
                     continue
-                self._compute(self.actions[i], st)
+                with action_range(self.actions[i]):
+                    self._compute(self.actions[i], st)
                 if self.ctx.dp_size > 1 and sync_grads and self.last_backward.get(self.actions[i].stage) == i:
                     st.dp_syncs.append(self._start_dp_sync(self.actions[i].stage))
                 i += 1

@@ -113,7 +113,11 @@ class WeightGradStore:
         if mb not in self._pending:
             raise RuntimeError(f"W of micro-batch {mb} without its I" + (" (W ran twice)" if mb in self._done else ""))
         for layer, x, grad_out in self._pending.pop(mb):
-            gw, gb = weight_grads(x, grad_out, layer.bias is not None)
+            # Outside autograd's backward grad mode is on and ``x`` (an activation) requires grad: without no_grad
+            # the matmul would record a graph that saves ``grad_out``, and ``.grad`` would hold that graph (every
+            # micro-batch's output gradients alive until the gradients are dropped, megabytes per stage).
+            with torch.no_grad():
+                gw, gb = weight_grads(x, grad_out, layer.bias is not None)
             if layer.weight.requires_grad:
                 _accumulate(layer.weight, gw)
             if gb is not None and layer.bias is not None and layer.bias.requires_grad:

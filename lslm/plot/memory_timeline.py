@@ -55,6 +55,6 @@ def plot_memory_timeline(timeline: MemoryTimeline, ax: Any = None, title: str | 
     ax.set_ylabel("live bytes (MB)")
     ax.set_title(title or f"Memory by category over time ({timeline.device}, PyTorch's memory profiler)",
                  loc="left", fontsize=10)
-    ax.legend(loc="upper left", fontsize=7, ncol=4, frameon=False)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)  # clear of the ranges
     ax.figure.tight_layout()
     return ax
