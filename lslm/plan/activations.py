@@ -56,15 +56,20 @@ head's input (``e · sbh`` each, ``/t`` with SP) and the loss's temporaries over
 (:func:`loss_bytes_per_logit` bytes per logit, ``/t``: the head vocabulary-parallel).
 
 **The loss** (``ModelSpec.loss``). Both styles run ``F.cross_entropy`` on an fp32 copy of the head's half logits:
-lslm's GPT ``logits.float().flatten(0, 1)`` (lslm/models/gpt.py), torchtitan ``pred.flatten(0, 1).float()`` (its
-``cross_entropy_loss``; the training step in ``train.py``, pytorch/torchtitan, ``pred = model(inputs); loss =
-loss_fn(pred, labels); del pred; loss.backward()``, "need to free to before bwd to avoid peaking memory"). What
+lslm's GPT ``logits.float().flatten(0, 1)`` (lslm/models/gpt.py); torchtitan's ``train.py`` (pytorch/torchtitan:
+read at 0011fb9 and in 2025 versions) runs ``pred = model(input_ids); loss = loss_fn(pred, labels); del pred;
+loss.backward()`` ("need to free to before bwd to avoid peaking memory"), with the upcast in the loss
+(``cross_entropy(pred.flatten(0, 1).float(), ...)``, later ``cross_entropy_loss``) or, before that move
+(pytorch/torchtitan#551), at the model's end (``self.output(h).float()``, ``loss_fn`` then without it): either
+way the loss runs on fp32 logits, and neither ``pred`` nor a copy of it is alive in the backward. What
 torch's autograd keeps (``tools/autograd/derivatives.yaml``): the copy to fp32 (``_to_copy``) saves nothing;
-``_log_softmax`` saves its fp32 output (``result``), which ``nll_loss`` also reads; ``nll_loss``'s backward
+``_log_softmax`` saves its fp32 output (``_log_softmax_backward_data(grad, result, ...)``), which ``nll_loss``
+also reads; ``nll_loss``'s backward
 allocates the fp32 gradient of its input and ``_log_softmax_backward_data`` another, while the saved output is
 alive. So, per logit with ``e``-byte logits, at the loss's backward: lslm ``e + 4 + 4 + 4`` (the caller still holds
-its half logits: 14 with bf16), torchtitan ``4 + 4 + 4 = 12`` (``pred`` deleted); at the forward's end both hold
-``e + 4 + 4`` (the fp32 copy is alive until ``log_softmax`` has run). Measured: the allocator's peak of the loss's
+its half logits: 14 with bf16), torchtitan ``4 + 4 + 4 = 12`` (``pred`` deleted); in the forward at most
+``e + 4 + 4`` (the half logits, their fp32 copy until ``log_softmax`` has run, its output; ``e + 4`` then ``4 + 4``
+with the upcast at the model's end). Measured: the allocator's peak of the loss's
 forward + backward alone on CPU (tests/test_plan_loss.py) is 14.00 and 12.00 bytes per logit. Under autocast
 :mod:`lslm.plan.autocast` counts these moments; with half weights (``mixed="masters"``) the "lslm" style keeps the
 count this module always had, the fp32 logits ``4 sbV/t`` (Korthikanti's §4.3 end; the rows it serves, Megatron's,
