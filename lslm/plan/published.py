@@ -20,7 +20,10 @@ paper's throughput is turned into seconds per step with the paper's own flop cou
   tokens/s per GPU) and ``benchmarks/llama3_h100_202412_torchtitan.md`` Tables 1 and 3 (8 and 128 H100 96 GB
   HBM2e at 500 W, the eager ``FSDP`` rows, tokens/s per GPU, with the peak memory they report): step = local
   batch x 8,192 tokens / tokens/s per GPU; their op-level selective checkpointing is the calculator's
-  ``recompute="op"`` (:mod:`lslm.plan.op_sac`), and the predicted peak is printed beside the reported one. The
+  ``recompute="op"`` (:mod:`lslm.plan.op_sac`), their loss ``ModelSpec.loss="torchtitan"`` (the logits deleted
+  before the backward; :mod:`lslm.plan.activations`), and the predicted peak (tensor bytes) is printed beside the
+  reported one (the allocator's reserved maximum) and, in ``--validate``, beside the prediction times the
+  reserved / allocated range measured on the H200 runs (:func:`lslm.plan.validate_memory.reserved_ratio_range`). The
   H100 rows are outside the target (``outside``): the file says its GPUs' peak is unknown ("between SXM and
   NVL") and states no rate, so the calculator prices the SXM's; the reason is printed under each. No torchtitan
   file read here reports a standard H100 SXM (80 GB) run: the 2025 async-TP benchmark uses the same 96 GB HBM2e
