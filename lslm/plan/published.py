@@ -177,7 +177,7 @@ _TT_H100 = ("the file's own facts (its Hardware section, footnote 2): H100s with
             "same error at 8 and 128 GPUs puts the gap in the GPU and its kernels, not the network. The peak: "
             "torchtitan's loss is cross_entropy on an fp32 copy of the bf16 logits (pred.flatten(0, 1).float(), "
             "pred deleted before the backward), counted as ModelSpec.loss='torchtitan' (12 bytes per logit at the "
-            "loss's backward, 7.8 GiB per 4 at local batch 2; lslm.plan.activations); the predicted peak is tensor "
+            "loss's backward, 23.5 GiB at local batch 2; lslm.plan.activations); the predicted peak is tensor "
             "bytes, the reported one the allocator's maximum reserved (max_reserved_gib), set beside the H200 "
             "runs' measured reserved / allocated range")
 
