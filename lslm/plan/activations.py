@@ -52,8 +52,28 @@ Checked: lslm's context-parallel GPT (ring and Ulysses) at cp = 1, 2, 4, measure
 
 **The ends** (Korthikanti §4.3): the first stage also keeps the embedding's dropout mask (``m · sbh`` per
 in-flight micro-batch, ``/t`` with sequence parallelism); the last keeps the final LayerNorm's input and the
-head's input (``e · sbh`` each, ``/t`` with SP) and the fp32 logits for the loss (``4 sbV / t``, the head
-vocabulary-parallel).
+head's input (``e · sbh`` each, ``/t`` with SP) and the loss's temporaries over the logits
+(:func:`loss_bytes_per_logit` bytes per logit, ``/t``: the head vocabulary-parallel).
+
+**The loss** (``ModelSpec.loss``). Both styles run ``F.cross_entropy`` on an fp32 copy of the head's half logits:
+lslm's GPT ``logits.float().flatten(0, 1)`` (lslm/models/gpt.py); torchtitan's ``train.py`` (pytorch/torchtitan:
+read at 0011fb9 and in 2025 versions) runs ``pred = model(input_ids); loss = loss_fn(pred, labels); del pred;
+loss.backward()`` ("need to free to before bwd to avoid peaking memory"), with the upcast in the loss
+(``cross_entropy(pred.flatten(0, 1).float(), ...)``, later ``cross_entropy_loss``) or, before that move
+(pytorch/torchtitan#551), at the model's end (``self.output(h).float()``, ``loss_fn`` then without it): either
+way the loss runs on fp32 logits, and neither ``pred`` nor a copy of it is alive in the backward. What
+torch's autograd keeps (``tools/autograd/derivatives.yaml``): the copy to fp32 (``_to_copy``) saves nothing;
+``_log_softmax`` saves its fp32 output (``_log_softmax_backward_data(grad, result, ...)``), which ``nll_loss``
+also reads; ``nll_loss``'s backward
+allocates the fp32 gradient of its input and ``_log_softmax_backward_data`` another, while the saved output is
+alive. So, per logit with ``e``-byte logits, at the loss's backward: lslm ``e + 4 + 4 + 4`` (the caller still holds
+its half logits: 14 with bf16), torchtitan ``4 + 4 + 4 = 12`` (``pred`` deleted); in the forward at most
+``e + 4 + 4`` (the half logits, their fp32 copy until ``log_softmax`` has run, its output; ``e + 4`` then ``4 + 4``
+with the upcast at the model's end). Measured: the allocator's peak of the loss's
+forward + backward alone on CPU (tests/test_plan_loss.py) is 14.00 and 12.00 bytes per logit. Under autocast
+:mod:`lslm.plan.autocast` counts these moments; with half weights (``mixed="masters"``) the "lslm" style keeps the
+count this module always had, the fp32 logits ``4 sbV/t`` (Korthikanti's §4.3 end; the rows it serves, Megatron's,
+report no peak), and "torchtitan" counts its 12.
 """
 
 from __future__ import annotations
@@ -64,7 +84,8 @@ from lslm.plan.model import ModelSpec
 from lslm.plan.op_sac import op_layer_bytes
 
 __all__ = ["core_keeps_scores", "cp_element_size", "cp_units", "embedding_mask_bytes", "in_flight_layers",
-           "in_flight_microbatches", "last_stage_extra_bytes", "layer_activation_bytes", "layer_formula"]
+           "in_flight_microbatches", "last_stage_extra_bytes", "layer_activation_bytes", "layer_formula",
+           "loss_bytes_per_logit", "loss_moments_per_logit"]
 
 
 def _width(layout: Layout) -> int:
@@ -175,13 +196,32 @@ def embedding_mask_bytes(model: ModelSpec, layout: Layout, m: int, *, mask_bytes
     return mask_bytes * in_flight_microbatches(layout, m) * s * b * h / region
 
 
+def loss_moments_per_logit(loss: str, e: int) -> dict[str, int]:
+    """Bytes per logit the loss's tensors hold at the forward's end and at the loss's backward, for
+    ``ModelSpec.loss`` style ``loss`` and ``e``-byte logits (module doc, "The loss"; tensor by tensor)."""
+    if loss not in ("lslm", "torchtitan"):
+        raise ValueError(f"loss must be 'lslm' or 'torchtitan', got {loss!r}")
+    caller = e if loss == "lslm" else 0  # torchtitan deletes pred before the backward
+    return {"forward end": e + 4 + 4, "loss backward": caller + 4 + 4 + 4}
+
+
+def loss_bytes_per_logit(model: ModelSpec) -> int:
+    """Bytes per logit the loss holds at its peak with half weights (``mixed="masters"``; module doc, "The loss"):
+    4 for ``model.loss == "lslm"`` (the fp32 logits, Korthikanti's count), 12 for "torchtitan" (the fp32
+    log-softmax and its two input gradients at the loss's backward, the bf16 ``pred`` deleted)."""
+    if model.loss == "lslm":
+        return 4
+    return max(loss_moments_per_logit(model.loss, 2).values())
+
+
 def last_stage_extra_bytes(model: ModelSpec, layout: Layout) -> float:
-    """The last stage's final norm input, head input and fp32 logits for one micro-batch (module doc)."""
+    """The last stage's final norm input, head input and the loss's temporaries for one micro-batch (module
+    doc)."""
     e = _width(layout)
     s, b, h, t = model.seq_len // layout.cp, model.micro_batch, model.hidden, layout.tp
     region = t if layout.sequence_parallel else 1
     head_input = e * s * b * h / (region if layout.regather else 1)  # without re-gathering: kept whole
-    return e * s * b * h / region + head_input + 4 * s * b * model.vocab / t
+    return e * s * b * h / region + head_input + loss_bytes_per_logit(model) * s * b * model.vocab / t
 
 
 def cp_element_size(layout: Layout) -> int:

@@ -30,6 +30,8 @@ autocast that gives, with ``e = 2`` the half width and ``region`` ``t`` with seq
   input (``4 sbV/t``) and ``log_softmax``'s backward its own (``4 sbV/t``) while the saved output is alive:
   ``(2 + 4 + 4 + 4) sbV/t``, 14 bytes per logit with bf16. Under tensor parallelism the same tensors are
   assumed per vocabulary shard (lslm's vocabulary-parallel cross-entropy is not counted tensor by tensor).
+  With ``ModelSpec.loss == "torchtitan"`` (``del pred`` before the backward) the half logits are held only
+  until the forward's end: ``12 sbV/t`` at the loss's backward, nothing after it (:mod:`lslm.plan.activations`).
   The final LayerNorm saves its fp32 input (``4 sbh/region``), the head the half copy of its output (``e sbh``).
 
 **When the peak happens.** Three moments, each with everything saved so far: the forward's end (the loss's fp32
@@ -117,13 +119,16 @@ def autocast_activations(model: ModelSpec, layout: Layout, m: int, stage: int, r
     formula += (f" + half weight copies e·({'0' if recompute == 'full' else f'{rank_layers:g}'} x {lin:,} per layer"
                 + (f" + head {head:,}" if last else "") + ")")
     loss_held = 0.0
+    caller = e if model.loss == "lslm" else 0  # torchtitan deletes pred before the backward
     if last:
         head_input = e * sbh / (region if layout.regather else 1)
         saved += FP32 * sbh / region + head_input
-        loss_held = (e + FP32) * sbv  # the caller's half logits; the fp32 log-softmax
-        formula += " + final LayerNorm's fp32 input 4sbh + head input e·sbh + logits e·sbV/t + log-softmax 4sbV/t"
+        loss_held = (caller + FP32) * sbv  # the caller's half logits (lslm's loss); the fp32 log-softmax
+        formula += (" + final LayerNorm's fp32 input 4sbh + head input e·sbh + "
+                    + ("logits e·sbV/t + " if caller else "") + "log-softmax 4sbV/t")
     base = saved + loss_held + e * head
-    moments = {"forward end": base + e * cached_copies + (FP32 * sbv if last else 0.0)}
+    # at the forward's end the logits are alive whoever deletes them later, with their fp32 copy
+    moments = {"forward end": base + e * cached_copies + ((FP32 + e - caller) * sbv if last else 0.0)}
     moments["loss backward" if last else "backward"] = base + e * kept_copies + (2 * FP32 * sbv if last else 0.0)
     working = autocast_layer_bytes(model, layout, "none", mask_bytes=mask_bytes) - one
     if recompute != "none" and working > 0:
@@ -135,4 +140,4 @@ def autocast_activations(model: ModelSpec, layout: Layout, m: int, stage: int, r
                    "loss backward": "the loss's two fp32 input gradients 8sbV/t",
                    "backward": "nothing more",
                    "replay": "one layer replayed (its bytes without recompute and its weight copies)"}[peak])
-    return AutocastActivations(moments[peak], formula, moments, e * sbv if last else 0.0)
+    return AutocastActivations(moments[peak], formula, moments, caller * sbv if last else 0.0)

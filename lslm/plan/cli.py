@@ -28,7 +28,12 @@ from lslm.plan.published import format_published, validate_published
 from lslm.plan.search import search, why_none_fit
 from lslm.plan.validate import format_validation, load_results, results_dir, validate
 from lslm.plan.validate_gpu import BREAKDOWN_FILE, breakdown, format_breakdown, format_gpu_validation, validate_gpu
-from lslm.plan.validate_memory import format_memory_validation, load_gpu_rows, validate_memory
+from lslm.plan.validate_memory import (
+    format_memory_validation,
+    load_gpu_rows,
+    reserved_ratio_range,
+    validate_memory,
+)
 
 __all__ = ["EPILOG", "add_arguments", "run"]
 
@@ -155,7 +160,7 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print("the calculator (a100-80gb / h100-sxm / h100-96gb-hbm2e: the H200's efficiencies scaled by peak and "
                   "bandwidth) "
                   "against published multi-GPU runs (lslm.plan.published: each row's table, row and assumptions)")
-            print(format_published(validate_published()))
+            print(format_published(validate_published(), slack=reserved_ratio_range(gpu)))
             return 0
         if ns.results is not None:
             parser.error("--results goes with --validate")

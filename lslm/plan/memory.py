@@ -42,6 +42,7 @@ from lslm.plan.activations import (
     last_stage_extra_bytes,
     layer_activation_bytes,
     layer_formula,
+    loss_bytes_per_logit,
 )
 from lslm.plan.autocast import autocast_activations
 from lslm.plan.layout import Layout, layers_on_stage
@@ -176,7 +177,8 @@ def _activations(model: ModelSpec, layout: Layout, m: int, stage: int, recompute
         formula += " + embedding dropout masks"
     if stage == layout.pp - 1:
         total += last_stage_extra_bytes(model, layout)
-        formula += " + final norm, head input and fp32 logits 4sbV/t"
+        formula += (" + final norm, head input and the loss's temporaries "
+                    f"{loss_bytes_per_logit(model)}sbV/t ({model.loss}'s loss)")
     working = layer_activation_bytes(model, layout, "none", mask_bytes=mask_bytes) - one
     if recompute != "none" and working > 0:  # selective under flash attention recomputes nothing it did not keep
         total += working

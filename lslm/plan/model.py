@@ -20,9 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["ARCHES", "ModelSpec", "model_presets"]
+__all__ = ["ARCHES", "LOSS_STYLES", "ModelSpec", "model_presets"]
 
 ARCHES = ("gpt", "llama")
+#: how the training step runs the loss, which sets its temporaries (:func:`lslm.plan.activations.loss_bytes_per_logit`)
+LOSS_STYLES = ("lslm", "torchtitan")
 
 
 def _positive(name: str, value: Any) -> None:
@@ -49,12 +51,17 @@ class ModelSpec:
     max_positions: int | None = None  #: "gpt" only: rows of the position embedding (None: ``seq_len``)
     dropout: bool = True  #: dropout masks are saved for backward (Korthikanti's accounting); "llama": none
     name: str = "custom"
+    #: the training step's loss, one of :data:`LOSS_STYLES`: "lslm" (the caller keeps the logits through the
+    #: backward), "torchtitan" (``del pred`` before ``loss.backward()``); see lslm.plan.activations, "The loss"
+    loss: str = "lslm"
 
     def __post_init__(self) -> None:
         for field in ("n_layer", "hidden", "n_head", "vocab", "seq_len", "micro_batch", "global_batch"):
             _positive(field, getattr(self, field))
         if self.arch not in ARCHES:
             raise ValueError(f"ModelSpec.arch must be one of {ARCHES}, got {self.arch!r}")
+        if self.loss not in LOSS_STYLES:
+            raise ValueError(f"ModelSpec.loss must be one of {LOSS_STYLES}, got {self.loss!r}")
         if self.hidden % self.n_head:
             raise ValueError(f"hidden={self.hidden} must be divisible by n_head={self.n_head} (head width)")
         if self.n_kv_head is not None:

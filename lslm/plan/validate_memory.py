@@ -26,7 +26,11 @@ expectation, since the script that measured that file is not committed. No term 
 allocator's slack: these are allocated bytes (``memory_allocated``, which include the caching allocator's
 rounding of each block to 512 bytes, not counted); what it reserved beyond them (``reserved_bytes`` in the
 ``gpt`` rows: 0.1-5.4 GB over the peak) is fragmentation the calculator leaves to
-:attr:`~lslm.plan.hardware.Hardware.reserved_bytes`, not modelled.
+:attr:`~lslm.plan.hardware.Hardware.reserved_bytes`, not modelled. Those rows give both figures from one process
+(``calibrate.py``: ``max_memory_allocated`` over a step, ``memory_reserved`` after the timed steps, which the
+caching allocator does not give back), so :func:`reserved_ratio_range` reads the range of reserved / allocated
+from them: data measured here, not fitted to any published row; :func:`lslm.plan.published.format_published`
+sets a reported reserved peak (torchtitan's) beside the predicted tensor bytes times it.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from lslm.plan.layout import Layout
 from lslm.plan.memory import stage_memory
 from lslm.plan.model import ModelSpec
 
-__all__ = ["GPU_FILES", "MEMORY_TOLERANCE", "format_memory_validation", "load_gpu_rows", "validate_memory"]
+__all__ = ["GPU_FILES", "MEMORY_TOLERANCE", "format_memory_validation", "load_gpu_rows", "reserved_ratio_range",
+           "validate_memory"]
 
 GPU_FILES = ("h200_recompute_2026-11-28.json", "h200_2026-11-28.json")
 MEMORY_TOLERANCE = 0.10  #: the issue's target: peak memory within 10 % per run
@@ -109,3 +114,14 @@ def format_memory_validation(rows: list[dict[str, Any]], tolerance: float = MEMO
                  f"{worst['peak_error']:+.1%} ({worst['source']} {worst['config']}); states before the forward: "
                  f"worst {max(abs(r['states_error']) for r in rows):.1%}")
     return "\n".join(lines)
+
+
+def reserved_ratio_range(rows: list[dict[str, Any]]) -> tuple[float, float]:
+    """(least, most) of ``reserved_bytes / mem_peak_bytes`` over the runs of ``rows`` that report both (the eager
+    ``gpt`` rows of :func:`load_gpu_rows`): how far the caching allocator's reserved bytes stood above its
+    allocated peak on the H200 (module doc)."""
+    ratios = [r["reserved_bytes"] / r["mem_peak_bytes"] for r in rows if r.get("reserved_bytes")]
+    if not ratios:
+        raise ValueError("no run reports both reserved_bytes and mem_peak_bytes (the gpt rows of "
+                         f"{GPU_FILES[1]} do)")
+    return min(ratios), max(ratios)
