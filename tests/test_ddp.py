@@ -28,6 +28,8 @@ from lslm.data_parallel.ddp import (
     plan_buckets,
     tensor_digest,
 )
+from lslm.demos.ddp_memory import ddp_memory_rows
+from lslm.metrics.malloc import malloc_in_use_bytes
 from lslm.models.gpt import GPT, GPTConfig
 from tests.helpers import run_workers
 
@@ -38,6 +40,7 @@ from tests.helpers import run_workers
 # (a missing division or a skipped bucket moves parameters by >= 1e-3 here).
 ATOL = 1e-6
 OURS = ("naive", "fused", "bucketed")
+TINY_GPT = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=1024, block_size=64)  # notebook 04's
 
 
 @functools.cache
@@ -189,6 +192,18 @@ def test_memory_by_owner_bucketed_adamw_hand_count() -> None:
         assert len(sizes) > 5 and _mem(case, "comm_buffers") == sum(sizes) == 4 * psi, rank
         # 16 Psi of model states (fp32 AdamW) + 4 Psi of buckets, plus the step scalars.
         assert case["memory"]["total_resident"] == case["memory"]["total_logical"] == 20 * psi + 4 * tensors, rank
+
+
+@pytest.mark.skipif(malloc_in_use_bytes() is None, reason="glibc's mallinfo2 is needed to read the allocator")
+def test_allocator_agrees_with_the_counted_buckets_and_states_at_2_ranks() -> None:
+    # One process as rank 0 of 2 (fake backend): glibc's bytes for each piece the notebook counts. The allocator
+    # adds per-tensor and per-module records and chunk headers (tens of kB on 0.9 MB): never below, within 5 %.
+    rows = {r["what"].split(" (")[0]: r for r in ddp_memory_rows(TINY_GPT, world_size=2, bucket_cap_mb=0.1)}
+    assert set(rows) == {"parameters", "gradient buckets", "AdamW states", "copying buckets"}
+    psi = rows["parameters"]["counted"] // 4
+    assert rows["gradient buckets"]["counted"] == rows["copying buckets"]["counted"] == 4 * psi
+    for what, r in rows.items():
+        assert 0 <= r["allocator"] - r["counted"] <= 0.05 * r["counted"], (what, r)
 
 
 # -- multi-process: bad input and unused parameters -----------------------------------------

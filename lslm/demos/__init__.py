@@ -8,6 +8,8 @@ keep the library below them.
 * ``collectives_demo`` - every lslm collective next to torch's with bytes counted, the deadlock lesson (02);
 * ``data_parallel_demo`` - single-process DataParallel on any device list (``python -m lslm.demos.data_parallel_demo``);
 * ``gradient_accumulation`` - gbs = mbs x k x dp across processes (04b);
+* ``ddp_memory`` - a DDP rank's parameters, gradient buckets and AdamW states, counted and by glibc's
+  allocator, in one process on the fake backend (04);
 * ``tensor_parallel_demo`` - split matmuls, the MLP order, the qkv trap, per-layer traffic, SP drift, dropout
   streams, a Hugging Face GPT-2 made tensor-parallel (05);
 * ``activation_check`` - one layer's saved activations measured next to Korthikanti et al.'s table (05);
