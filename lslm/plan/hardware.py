@@ -207,7 +207,7 @@ def hardware_presets() -> dict[str, Hardware]:
       measurements by :func:`lslm.plan.calibrate.calibrate_cpu_box` (rounded to 4 digits here; a test keeps
       them equal): the matmul rate of one thread, 74.08 Gflop/s, and a layer pass's fixed cost, 0.620 ms
       forward and 0.454 ms backward (fitted to ``bench/results/pipeline.json``'s stage times at 2 processes);
-      the optimizer's streaming rate, 13.88 GB/s (``zero.json``, the DDP entry's AdamW step at 2 processes);
+      the optimizer's streaming rate, 15.71 GB/s (``zero.json``, the DDP entry's AdamW step at 2 processes);
       ``cores = 2``; a "node" of 2 processes whose ``intra`` link is the 2-process fit of
       ``collectives.json`` and whose ``inter`` link, for groups of more processes than cores, the 4-process
       fit (point-to-point: the fit of lslm's algorithms; all-reduce, all-gather, reduce-scatter: a fit of
@@ -247,6 +247,6 @@ def hardware_presets() -> dict[str, Hardware]:
                  table("all_reduce_ring", 4, (4.662, 4.401, 6.0, 24.41, 95.31)),
                  table("reduce_scatter_ring", 4, (4.066, 4.211, 3.981, 36.05, 168.5))))
     cpu = Hardware("CPU box (gloo)", {"fp32": 74.08e9}, hbm_bytes=11 * GiB, devices_per_node=2, intra=two,
-                   inter=four, dropout_mask_bytes=4, layer_overhead_s=(6.201e-4, 4.536e-4), optimizer_Bps=13.88e9,
+                   inter=four, dropout_mask_bytes=4, layer_overhead_s=(6.201e-4, 4.536e-4), optimizer_Bps=15.71e9,
                    cores=2, host_copy_Bps=3.942e9, disk_Bps=1.905e9)
     return {"h100-sxm": h100, "a100-80gb": a100, "h200": h200, "cpu-box": cpu}
