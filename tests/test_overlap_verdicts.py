@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import pytest
 
+from lslm.bench.overlap_verdicts import load_committed
 from lslm.metrics.overlap import StepOverlap
 from lslm.plan.hardware import Hardware, Link
 from lslm.plan.model import ModelSpec
 from lslm.plan.overlap import (
+    OverlapRow,
     block_forward_s,
     collective_s,
+    describe_row,
     model_backward_s,
     predicted_verdict,
     traced_share,
@@ -68,3 +71,16 @@ def test_verdicts_predicted_and_traced() -> None:
     assert row.to_dict()["agree"] is False and row.to_dict()["traced_exposed_fraction"] == 0.5
     none = verdict_row("tp", "all_reduce", "-", 1.0, 2.0, (0, 0.0, 0.0))
     assert (none.traced_comm_s, none.traced_exposed_fraction, none.traced) == (None, None, "not traced")
+
+
+def test_the_committed_table_and_its_description() -> None:
+    """Notebooks 04, 05 and 08 read the committed bench: one row per technique, and the words a row prints."""
+    committed = load_committed()
+    assert [r["technique"] for r in committed["rows"]] == ["dp", "zero3", "tp"]
+    row = OverlapRow("dp", "all_reduce of a 1 kB bucket", "backward >= all-reduce", 2e-3, 1e-3, "hidden", 4, 5e-3,
+                     0.5, "partly hidden").to_dict()
+    assert describe_row(row, "cpu-box", 2) == (
+        "dp at 2 ranks, all_reduce of a 1 kB bucket: hidden if backward >= all-reduce\n"
+        "  predicted on 'cpu-box': compute 2.000 ms, communication 1.000 ms -> hidden\n"
+        "  traced: 4 calls, 5.000 ms each from issue to wait on average, 50 % of it exposed -> partly hidden; "
+        "prediction and trace disagree")

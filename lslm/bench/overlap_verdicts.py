@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -38,12 +39,13 @@ from lslm.plan.overlap import (
     verdict_row,
     weight_grad_s,
 )
+from lslm.plan.validate import results_dir
 from lslm.recipes.ddp import RECIPE as DDP
 from lslm.recipes.tp import RECIPE as TP
 from lslm.recipes.zero import RECIPE as ZERO
 from lslm.runtime import init_distributed, seed_everything
 
-__all__ = ["RUNS", "main", "verdicts", "worker"]
+__all__ = ["RUNS", "load_committed", "main", "verdicts", "worker"]
 
 #: technique -> (recipe, settings): the recipes' default tiny GPT (2 blocks of width 64, batch 8 of 64 tokens).
 RUNS: dict[str, tuple[Any, dict[str, Any]]] = {
@@ -68,6 +70,12 @@ def _spec(batch: int, sequences_per_rank: int) -> ModelSpec:
     cfg = DDP.config()  # the recipes share TrainConfig's defaults
     return ModelSpec(n_layer=cfg.n_layer, hidden=cfg.n_embd, n_head=cfg.n_head, vocab=cfg.vocab_size,
                      seq_len=cfg.block_size, micro_batch=sequences_per_rank, global_batch=batch)
+
+
+def load_committed(path: str | Path | None = None) -> dict[str, Any]:
+    """The committed ``overlap_verdicts.json`` (``path``: its folder; default as :func:`lslm.plan.validate.results_dir`:
+    ``bench/results`` here, else the one next to the package)."""
+    return json.loads((results_dir(path) / "overlap_verdicts.json").read_text())
 
 
 def verdicts(records: list[dict[str, Any]], trace_dir: str | Path, hardware: str = "cpu-box") -> dict[str, Any]:

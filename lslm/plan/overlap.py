@@ -34,8 +34,8 @@ from lslm.plan.hardware import Hardware
 from lslm.plan.model import ModelSpec
 from lslm.plan.timing import layer_forward_flops
 
-__all__ = ["HIDDEN_BELOW", "EXPOSED_ABOVE", "OverlapRow", "block_forward_s", "collective_s", "model_backward_s",
-           "predicted_verdict", "traced_share", "traced_verdict", "verdict_row", "weight_grad_s"]
+__all__ = ["HIDDEN_BELOW", "EXPOSED_ABOVE", "OverlapRow", "block_forward_s", "collective_s", "describe_row",
+           "model_backward_s", "predicted_verdict", "traced_share", "traced_verdict", "verdict_row", "weight_grad_s"]
 
 #: A traced collective counts as hidden when at most this share of its issue-to-wait time was exposed...
 HIDDEN_BELOW = 0.25
@@ -134,3 +134,16 @@ def verdict_row(technique: str, collective: str, condition: str, compute_s: floa
     return OverlapRow(technique, collective, condition, compute_s, comm_s,
                       predicted_verdict(compute_s, comm_s, spare_core), calls, comm / calls if calls else None,
                       fraction, traced_verdict(fraction))
+
+
+def describe_row(row: dict[str, Any], hardware: str, world_size: int) -> str:
+    """Three lines for one row of ``bench/results/overlap_verdicts.json`` (an :meth:`OverlapRow.to_dict`): the
+    condition, the model's times of one call and its verdict on ``hardware``, what the trace saw."""
+    comm = row["traced_comm_s"]
+    traced = ("no call traced" if comm is None else
+              f"{row['traced_calls']} calls, {1e3 * comm:.3f} ms each from issue to wait on average, "
+              f"{100 * row['traced_exposed_fraction']:.0f} % of it exposed -> {row['traced']}")
+    return (f"{row['technique']} at {world_size} ranks, {row['collective']}: hidden if {row['condition']}\n"
+            f"  predicted on '{hardware}': compute {1e3 * row['predicted_compute_s']:.3f} ms, communication "
+            f"{1e3 * row['predicted_comm_s']:.3f} ms -> {row['predicted']}\n"
+            f"  traced: {traced}; prediction and trace {'agree' if row['agree'] else 'disagree'}")
