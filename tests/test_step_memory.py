@@ -67,3 +67,25 @@ def test_bad_device_and_the_window_formulas() -> None:
         zero3_window_bytes(units, root, prefetch=-1)
     with pytest.raises(ValueError, match="empty"):
         zero3_freed_bytes([])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA allocator's path needs a GPU (make gpu-check)")
+def test_a_linear_adamw_step_by_the_cuda_allocator() -> None:
+    """The same step on a GPU, read from torch.cuda's allocator: in steady state it ends where it began, and its
+    peak is AdamW's two weight-sized temporaries plus the activations (32 KiB), rounded by the caching allocator."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(512, 512, bias=False, device=device)
+    opt = torch.optim.AdamW(lin.parameters(), lr=1e-3, foreach=False)
+    x = torch.randn(16, 512, device=device)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        lin(x).square().sum().backward()
+        opt.step()
+    for _ in range(2):  # Adam's states and cuBLAS's workspace exist from here on
+        step()
+    weight = 4 * lin.weight.numel()
+    m = measure_step_memory(step, device)
+    assert m.source == "cuda" and m.after == m.before, m
+    assert 2 * weight <= m.step_peak <= 2 * weight + 256 * 1024, (m.step_peak, 2 * weight)

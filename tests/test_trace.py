@@ -185,3 +185,20 @@ def test_bench_runner_traces_its_last_round(tmp_path: Path, monkeypatch: pytest.
     (path,) = tmp_path.glob("bench*-n1-rank0.json")
     tl = load_trace(path)
     assert sorted(s[0] for s in tl.steps) == ["add", "mm"] and tl.compute
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA trace needs a GPU (make gpu-check)")
+def test_a_cuda_step_trace_holds_its_kernels_and_parses(tmp_path: Path) -> None:
+    """On a GPU the tracer adds the CUDA activity: the file holds the step's kernels, and the analysis reads it."""
+    device = torch.device("cuda")
+    lin = torch.nn.Linear(256, 256, device=device)
+    x = torch.randn(8, 256, device=device)
+    tracer = StepTracer(tmp_path, "cuda", 0, device, steps=[1])
+    for i in range(2):
+        with tracer.step(i):
+            lin(x).sum().backward()
+            torch.cuda.synchronize(device)
+    events = json.loads(tracer.path.read_text())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events), sorted({e.get("cat") for e in events})
+    (step,) = analyse(load_trace(tracer.path))
+    assert step.step == "1" and step.compute_s > 0

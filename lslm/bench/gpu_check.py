@@ -45,7 +45,8 @@ __all__ = ["CUDA_TESTS", "NCCL_TESTS", "RECIPES_AT_ONE", "Step", "gpu_slug", "ma
 
 #: tests with a CUDA branch that run in one process (allocator figures, event timers, device rules, models)
 CUDA_TESTS = ("tests/test_memory.py", "tests/test_backend.py", "tests/test_harness.py", "tests/test_models.py",
-              "tests/test_ledger.py", "tests/test_bench_runner.py", "tests/test_data_parallel_single.py")
+              "tests/test_ledger.py", "tests/test_bench_runner.py", "tests/test_data_parallel_single.py",
+              "tests/test_step_memory.py", "tests/test_trace.py::test_a_cuda_step_trace_holds_its_kernels_and_parses")
 #: multi-process tests parametrised over backends (tests/helpers.py): their "nccl" cases run where GPUs suffice
 NCCL_TESTS = ("tests/test_collectives.py", "tests/test_context.py", "tests/test_recipe_ddp.py",
               "tests/test_precision_scaler.py", "tests/test_tp_random.py", "tests/test_tp_hf.py",
