@@ -140,13 +140,13 @@ def test_launch_overhead_and_cli_write_the_three_files(tmp_path, monkeypatch: py
     from lslm.bench import launch_overhead
     from lslm.cli import main
 
-    rows = [{"nproc": n, "job": job, "median_s": 2.0 + n, "min_s": 1.5 + n, "max_s": 3.0 + n, "repeats": 3}
-            for n in (2, 4) for job in ("echo", "smoke")]
+    rows = [{"launcher": launcher, "nproc": n, "job": job, "median_s": 2.0 + n, "min_s": 1.5 + n, "max_s": 3.0 + n,
+             "repeats": 3} for launcher in ("torchrun", "forkserver") for n in (2, 4) for job in ("echo", "smoke")]
     monkeypatch.setattr(launch_overhead, "measure", lambda nprocs, repeats: rows)
     assert main(["bench", "launch", "--out", str(tmp_path), "--repeats", "3"]) == 0
     printed = capsys.readouterr().out
     assert (tmp_path / "launch_overhead.txt").read_text() == printed
-    assert printed.splitlines()[1] == "    2 echo        4.00    3.50    5.00"
+    assert printed.splitlines()[1] == "torchrun        2 echo        4.00    3.50    5.00"
     assert json.loads((tmp_path / "launch_overhead.json").read_text()) == rows
     assert (tmp_path / "launch_overhead.png").stat().st_size > 0
     with pytest.raises(SystemExit):  # an unknown device is refused by the command line
