@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["at_least", "comma_world_sizes", "world_sizes"]
+__all__ = ["at_least", "comma_world_sizes", "memory_bench_args", "world_sizes"]
 
 
 def at_least(name: str, value: Any, minimum: int) -> int:
@@ -49,3 +49,15 @@ def comma_world_sizes(text: str) -> tuple[int, ...]:
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"world sizes like 2,4 (integers >= 1, comma-separated), got {text!r}: "
                                          f"{err}") from None
+
+
+def memory_bench_args(prog: str, doc: str, out: str, sizes: str, argv: list[str] | None) -> Any:
+    """The command line the memory benches share (``--out`` path without extension, ``--sizes`` world sizes,
+    ``--quick`` for a tiny model), parsed from ``argv`` (``None``: ``sys.argv``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    parser.add_argument("--out", default=out, help="path without extension")
+    parser.add_argument("--sizes", type=comma_world_sizes, default=sizes, help="world sizes, comma-separated")
+    parser.add_argument("--quick", action="store_true", help="a tiny model (a smoke run, not the committed table)")
+    return parser.parse_args(argv)

@@ -19,7 +19,6 @@ The numbers are exact counts, not timings, so any machine gives the same table::
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lslm.bench.checks import comma_world_sizes
+from lslm.bench.checks import memory_bench_args
 from lslm.launcher.launch import launch
 from lslm.metrics.allocations import track_live_bytes
 from lslm.models.gpt import GPT, GPTConfig
@@ -147,11 +146,7 @@ def table(records: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Command line: run :func:`run`, print the table, write ``--out`` (``.txt`` and ``.json``)."""
-    parser = argparse.ArgumentParser(prog="python -m lslm.bench.init_memory", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="bench/results/init_memory", help="path without extension")
-    parser.add_argument("--sizes", type=comma_world_sizes, default="1,2,4", help="world sizes, comma-separated")
-    parser.add_argument("--quick", action="store_true", help="a tiny model (a smoke run, not the committed table)")
-    args = parser.parse_args(argv)
+    args = memory_bench_args("python -m lslm.bench.init_memory", __doc__, "bench/results/init_memory", "1,2,4", argv)
     sizes = args.sizes
     model = QUICK_MODEL if args.quick else BENCH_MODEL
     records = run(model, sizes=sizes)

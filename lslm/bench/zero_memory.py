@@ -16,7 +16,6 @@ category at the peak. The numbers are byte counts, not timings: load does not sk
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import gc
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lslm.bench.checks import comma_world_sizes
+from lslm.bench.checks import memory_bench_args
 from lslm.launcher.launch import launch
 from lslm.metrics.allocations import track_live_bytes
 from lslm.metrics.held import held_by_owner
@@ -216,11 +215,7 @@ def table(results: dict[int, list[dict[str, Any]]]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[int, list[dict[str, Any]]]:
     """Command line: run :func:`run`, print the table, write ``--out`` (``.txt`` and ``.json``, with the command)."""
-    parser = argparse.ArgumentParser(prog="python -m lslm.bench.zero_memory", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="bench/results/zero_memory", help="path without extension")
-    parser.add_argument("--sizes", type=comma_world_sizes, default="2,4", help="world sizes, comma-separated")
-    parser.add_argument("--quick", action="store_true", help="a tiny model (a smoke run, not the committed table)")
-    args = parser.parse_args(argv)
+    args = memory_bench_args("python -m lslm.bench.zero_memory", __doc__, "bench/results/zero_memory", "2,4", argv)
     sizes = args.sizes
     command = " ".join(["python -m lslm.bench.zero_memory", *map(shlex.quote, sys.argv[1:] if argv is None
                                                                   else argv)])

@@ -53,7 +53,7 @@ class ForkServer:
         self._proc = subprocess.Popen(
             [sys.executable, "-c", f"from lslm.launcher.forkserver import serve; serve({os.getpid()})"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [*sys.path]))})
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, sys.path))})
         self._lock = threading.Lock()
         self._changed = threading.Condition()
         self._pids: dict[int, int] = {}  # request id -> pid

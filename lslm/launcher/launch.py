@@ -215,24 +215,27 @@ def _run(target: str, nproc: int, nnodes: int, timeout: float, output: str, extr
         env["PYTHONPATH"] = os.pathsep.join([*pythonpath, os.getcwd(), *filter(None, [env.get("PYTHONPATH")])])
         worker = ["-m", "lslm.launcher.worker", "--target", target, "--args-file", str(folder / "args.json"),
                   "--result-dir", str(folder)]
-        # Each agent is torchrun run by lslm.launcher.agent, which dies with this process.
-        agent = [sys.executable, "-m", "lslm.launcher.agent", "--parent", str(os.getpid()), "--launch-dir",
-                 str(folder), "--"]
-        rdzv_id = uuid.uuid4().hex[:12]
-        commands = [agent + torchrun_command(nproc, nnodes, node, port, rdzv_id, log_dir=str(folder / "torchrun"))[3:]
-                    + worker for node in range(nnodes)]
         q: queue.Queue[str | None] = queue.Queue()
         start = time.perf_counter()
         if store is not None:
             commands = [[sys.executable, *worker]]  # what each rank runs, for results.command
-            with deferred_signals():
+            with deferred_signals():  # a Ctrl-C right now must not leave a forked rank untracked
                 procs.extend(_start_forked(worker[2:], nproc, folder, env, store.port, pythonpath, q))
-        with deferred_signals():  # a Ctrl-C right now must not leave a started agent untracked
-            for cmd in commands if store is None else []:
-                p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, text=True, bufsize=1, env=env, start_new_session=True)
-                procs.append(p)
-                threading.Thread(target=read_lines, args=(p, q), daemon=True).start()
+        else:
+            # Each agent is torchrun run by lslm.launcher.agent, which dies with this process.
+            agent = [sys.executable, "-m", "lslm.launcher.agent", "--parent", str(os.getpid()), "--launch-dir",
+                     str(folder), "--"]
+            rdzv_id = uuid.uuid4().hex[:12]
+            commands = [agent + torchrun_command(nproc, nnodes, node, port, rdzv_id,
+                                                 log_dir=str(folder / "torchrun"))[3:] + worker
+                        for node in range(nnodes)]
+            with deferred_signals():  # a Ctrl-C right now must not leave a started agent untracked
+                for cmd in commands:
+                    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, text=True, bufsize=1, env=env,
+                                         start_new_session=True)
+                    procs.append(p)
+                    threading.Thread(target=read_lines, args=(p, q), daemon=True).start()
         open_streams, failed_at, timed_out = len(procs), None, False
         grace = FAILURE_GRACE_S if store is None else FORKED_FAILURE_GRACE_S
         while True:
