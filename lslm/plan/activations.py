@@ -52,40 +52,56 @@ Checked: lslm's context-parallel GPT (ring and Ulysses) at cp = 1, 2, 4, measure
 
 **The ends** (Korthikanti §4.3): the first stage also keeps the embedding's dropout mask (``m · sbh`` per
 in-flight micro-batch, ``/t`` with sequence parallelism); the last keeps the final LayerNorm's input and the
-head's input (``e · sbh`` each, ``/t`` with SP) and the loss's temporaries over the logits
-(:func:`loss_bytes_per_logit` bytes per logit, ``/t``: the head vocabulary-parallel).
+head's input (``e · sbh`` each, ``/t`` with SP) and the fp32 softmax the loss saves, ``4 sbV/t`` (the head
+vocabulary-parallel). The rest of the loss's peak, :func:`loss_bytes_per_logit` less those 4 bytes per logit, is
+not saved for backward: :mod:`lslm.plan.memory` adds it to the last stage as the "loss temporaries" buffer
+(:func:`loss_temporary_bytes`).
 
-**The loss** (``ModelSpec.loss``). Both styles run ``F.cross_entropy`` on an fp32 copy of the head's half logits:
-lslm's GPT ``logits.float().flatten(0, 1)`` (lslm/models/gpt.py); torchtitan's ``train.py`` (pytorch/torchtitan:
-read at 0011fb9 and in 2025 versions) runs ``pred = model(input_ids); loss = loss_fn(pred, labels); del pred;
-loss.backward()`` ("need to free to before bwd to avoid peaking memory"), with the upcast in the loss
-(``cross_entropy(pred.flatten(0, 1).float(), ...)``, later ``cross_entropy_loss``) or, before that move
-(pytorch/torchtitan#551), at the model's end (``self.output(h).float()``, ``loss_fn`` then without it): either
-way the loss runs on fp32 logits, and neither ``pred`` nor a copy of it is alive in the backward. What
-torch's autograd keeps (``tools/autograd/derivatives.yaml``): the copy to fp32 (``_to_copy``) saves nothing;
-``_log_softmax`` saves its fp32 output (``_log_softmax_backward_data(grad, result, ...)``), which ``nll_loss``
-also reads; ``nll_loss``'s backward
-allocates the fp32 gradient of its input and ``_log_softmax_backward_data`` another, while the saved output is
-alive. So, per logit with ``e``-byte logits, at the loss's backward: lslm ``e + 4 + 4 + 4`` (the caller still holds
-its half logits: 14 with bf16), torchtitan ``4 + 4 + 4 = 12`` (``pred`` deleted); in the forward at most
-``e + 4 + 4`` (the half logits, their fp32 copy until ``log_softmax`` has run, its output; ``e + 4`` then ``4 + 4``
-with the upcast at the model's end). Measured: the allocator's peak of the loss's
-forward + backward alone on CPU (tests/test_plan_loss.py) is 14.00 and 12.00 bytes per logit. Under autocast
-:mod:`lslm.plan.autocast` counts these moments; with half weights (``mixed="masters"``) the "lslm" style keeps the
-count this module always had, the fp32 logits ``4 sbV/t`` (Korthikanti's §4.3 end; the rows it serves, Megatron's,
-report no peak), and "torchtitan" counts its 12.
+**The loss** (``ModelSpec.loss``). Every style runs the softmax in fp32 on a copy of the head's half logits
+(no copy when the logits are fp32 already). lslm's GPT calls ``F.cross_entropy(logits.float().flatten(0, 1))``
+(lslm/models/gpt.py) and its caller keeps the logits; with ``tp > 1`` it runs
+:func:`lslm.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy` instead. torchtitan's ``train.py``
+(pytorch/torchtitan: read at 0011fb9 and in 2025 versions) runs ``pred = model(input_ids); loss = loss_fn(pred,
+labels); del pred; loss.backward()`` ("need to free to before bwd to avoid peaking memory"), with the upcast in the
+loss (``cross_entropy(pred.flatten(0, 1).float(), ...)``, later ``cross_entropy_loss``) or, before that move
+(pytorch/torchtitan#551), at the model's end (``self.output(h).float()``): either way neither ``pred`` nor a copy of
+it is alive in the backward. Megatron-LM (2021-22: ``post_language_model_processing`` calls
+``vocab_parallel_cross_entropy(output.float(), labels)``, ``megatron/mpu/cross_entropy.py`` read at 34ed99d)
+subtracts the maximum, exponentiates and normalises *in place* on the fp32 copy, saves that tensor as the softmax,
+and in the backward turns the same tensor into the gradient in place; the half ``output`` dies when the function
+returns. What torch's autograd keeps for ``F.cross_entropy`` (``tools/autograd/derivatives.yaml``): the copy to fp32
+(``_to_copy``) saves nothing; ``_log_softmax`` saves its fp32 output, which ``nll_loss`` also reads; ``nll_loss``'s
+backward allocates the fp32 gradient of its input and ``_log_softmax_backward_data`` another while the saved output
+is alive. So, per logit with ``e``-byte logits and ``c`` = 4 bytes of fp32 copy when ``e < 4`` (else 0), at the
+forward's end / at the loss's backward:
+
+================================  ===================  ==========================  =========  ==========
+style                             forward              loss backward               e = 2      e = 4
+================================  ===================  ==========================  =========  ==========
+lslm (``F.cross_entropy``)        ``e + c + 4``        ``e + 4 + 4 + 4``           10 / 14    8 / 16
+lslm, ``tp > 1`` (vocab-parallel) ``e + 4 + 4``        ``e + 4 + 4 + e·[c > 0]``   10 / 12    12 / 12
+torchtitan                        ``e + c + 4``        ``4 + 4 + 4``               10 / 12    8 / 12
+megatron (in place)               ``e + c``            ``4 + e·[c > 0]``           6 / 6      4 / 4
+================================  ===================  ==========================  =========  ==========
+
+(lslm's vocabulary-parallel loss keeps the caller's logits and the fp32 softmax, and its backward clones the softmax
+into the gradient and casts that to the logits' dtype.) Measured: the allocator's peak of each loss's forward +
+backward alone on CPU (tests/test_plan_loss.py, Megatron's at ``t = 1`` by an in-place replica) is the larger
+column, in bf16 and fp32. With half weights or in fp32 (``mixed="masters"``) :func:`loss_bytes_per_logit` counts
+that peak: 4 of it saved (Korthikanti's §4.3 ``4 sbV/t``, the fp32 softmax every style keeps between its forward
+and backward), the rest a buffer; under autocast :mod:`lslm.plan.autocast` counts the moments themselves.
 """
 
 from __future__ import annotations
 
 from lslm.metrics.activation_theory import korthikanti_layer_bytes
 from lslm.plan.layout import Layout, layers_on_stage
-from lslm.plan.model import ModelSpec
+from lslm.plan.model import LOSS_STYLES, ModelSpec
 from lslm.plan.op_sac import op_layer_bytes
 
 __all__ = ["core_keeps_scores", "cp_element_size", "cp_units", "embedding_mask_bytes", "in_flight_layers",
            "in_flight_microbatches", "last_stage_extra_bytes", "layer_activation_bytes", "layer_formula",
-           "loss_bytes_per_logit", "loss_moments_per_logit"]
+           "loss_bytes_per_logit", "loss_moments_per_logit", "loss_temporary_bytes"]
 
 
 def _width(layout: Layout) -> int:
@@ -196,32 +212,51 @@ def embedding_mask_bytes(model: ModelSpec, layout: Layout, m: int, *, mask_bytes
     return mask_bytes * in_flight_microbatches(layout, m) * s * b * h / region
 
 
-def loss_moments_per_logit(loss: str, e: int) -> dict[str, int]:
+def loss_moments_per_logit(loss: str, e: int, vocab_parallel: bool = False) -> dict[str, int]:
     """Bytes per logit the loss's tensors hold at the forward's end and at the loss's backward, for
-    ``ModelSpec.loss`` style ``loss`` and ``e``-byte logits (module doc, "The loss"; tensor by tensor)."""
-    if loss not in ("lslm", "torchtitan"):
-        raise ValueError(f"loss must be 'lslm' or 'torchtitan', got {loss!r}")
+    ``ModelSpec.loss`` style ``loss``, ``e``-byte logits and (style "lslm") whether the head is vocabulary-parallel
+    (module doc, "The loss": the table, tensor by tensor)."""
+    if loss not in LOSS_STYLES:
+        raise ValueError(f"loss must be one of {LOSS_STYLES}, got {loss!r}")
+    if e not in (2, 4):
+        raise ValueError(f"logits of {e} bytes: expected 2 (bf16/fp16) or 4 (fp32)")
+    copy = 4 if e < 4 else 0  # the fp32 copy; .float() on fp32 logits returns them
+    cast_back = e if copy else 0  # the gradient cast back to the logits' dtype
+    if loss == "megatron":  # one fp32 tensor: the copy, then the softmax, then the gradient, all in place
+        return {"forward end": e + copy, "loss backward": 4 + cast_back}
+    if loss == "lslm" and vocab_parallel:  # logits, the shifted copy and its exp; backward: softmax + its clone
+        return {"forward end": e + 4 + 4, "loss backward": e + 4 + 4 + cast_back}
     caller = e if loss == "lslm" else 0  # torchtitan deletes pred before the backward
-    return {"forward end": e + 4 + 4, "loss backward": caller + 4 + 4 + 4}
+    return {"forward end": e + copy + 4, "loss backward": caller + 4 + 4 + 4}
 
 
-def loss_bytes_per_logit(model: ModelSpec) -> int:
-    """Bytes per logit the loss holds at its peak with half weights (``mixed="masters"``; module doc, "The loss"):
-    4 for ``model.loss == "lslm"`` (the fp32 logits, Korthikanti's count), 12 for "torchtitan" (the fp32
-    log-softmax and its two input gradients at the loss's backward, the bf16 ``pred`` deleted)."""
-    if model.loss == "lslm":
-        return 4
-    return max(loss_moments_per_logit(model.loss, 2).values())
+def loss_bytes_per_logit(model: ModelSpec, layout: Layout) -> int:
+    """Bytes per logit the loss holds at its peak under ``layout`` with half weights or in fp32
+    (``mixed="masters"``; module doc, "The loss"): the larger of :func:`loss_moments_per_logit`'s two moments for
+    ``model.loss``, the logits' width and whether ``layout.tp > 1`` makes lslm's loss vocabulary-parallel (bf16:
+    lslm 14, or 12 vocabulary-parallel; torchtitan 12; megatron 6)."""
+    return max(loss_moments_per_logit(model.loss, _width(layout), layout.tp > 1).values())
+
+
+LOSS_SAVED_BYTES_PER_LOGIT = 4  #: what every style's loss saves for its backward: the fp32 (log-)softmax
 
 
 def last_stage_extra_bytes(model: ModelSpec, layout: Layout) -> float:
-    """The last stage's final norm input, head input and the loss's temporaries for one micro-batch (module
-    doc)."""
+    """The last stage's final norm input, head input and the fp32 (log-)softmax the loss saves (Korthikanti's
+    ``4 sbV/t``) for one micro-batch (module doc): what autograd keeps between the forward and the backward. The
+    rest of the loss's peak is :func:`loss_temporary_bytes`."""
     e = _width(layout)
     s, b, h, t = model.seq_len // layout.cp, model.micro_batch, model.hidden, layout.tp
     region = t if layout.sequence_parallel else 1
     head_input = e * s * b * h / (region if layout.regather else 1)  # without re-gathering: kept whole
-    return e * s * b * h / region + head_input + loss_bytes_per_logit(model) * s * b * model.vocab / t
+    return e * s * b * h / region + head_input + LOSS_SAVED_BYTES_PER_LOGIT * s * b * model.vocab / t
+
+
+def loss_temporary_bytes(model: ModelSpec, layout: Layout) -> float:
+    """Bytes the last stage's loss holds at its peak beyond what it saves (the caller's logits, the fp32 copy, the
+    gradients of the loss's backward): ``(loss_bytes_per_logit - 4) sbV/t`` for one micro-batch (module doc)."""
+    logits = model.seq_len // layout.cp * model.micro_batch * model.vocab / layout.tp
+    return (loss_bytes_per_logit(model, layout) - LOSS_SAVED_BYTES_PER_LOGIT) * logits
 
 
 def cp_element_size(layout: Layout) -> int:

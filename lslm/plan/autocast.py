@@ -93,6 +93,9 @@ def autocast_activations(model: ModelSpec, layout: Layout, m: int, stage: int, r
     """Activation bytes of pipeline stage ``stage`` (one device) under autocast with ``m`` micro-batches per step,
     at the largest of the moments of the module doc. ``lin``: elements of one layer's linears (weights and biases)
     on one tensor-parallel rank, the weights autocast casts (:func:`lslm.plan.memory.layer_linear_params`)."""
+    if model.loss == "megatron":
+        raise ValueError("ModelSpec.loss='megatron' counts Megatron-LM's in-place loss over half weights: use "
+                         "Layout(mixed='masters') with it, or loss='lslm' / 'torchtitan' under autocast")
     e = _half(layout)
     s, b, h, t = model.seq_len // layout.cp, model.micro_batch, model.hidden, layout.tp
     region = t if layout.sequence_parallel else 1

@@ -43,6 +43,7 @@ from lslm.plan.activations import (
     layer_activation_bytes,
     layer_formula,
     loss_bytes_per_logit,
+    loss_temporary_bytes,
 )
 from lslm.plan.autocast import autocast_activations
 from lslm.plan.layout import Layout, layers_on_stage
@@ -177,8 +178,7 @@ def _activations(model: ModelSpec, layout: Layout, m: int, stage: int, recompute
         formula += " + embedding dropout masks"
     if stage == layout.pp - 1:
         total += last_stage_extra_bytes(model, layout)
-        formula += (" + final norm, head input and the loss's temporaries "
-                    f"{loss_bytes_per_logit(model)}sbV/t ({model.loss}'s loss)")
+        formula += " + final norm, head input and the loss's saved fp32 softmax 4sbV/t"
     working = layer_activation_bytes(model, layout, "none", mask_bytes=mask_bytes) - one
     if recompute != "none" and working > 0:  # selective under flash attention recomputes nothing it did not keep
         total += working
@@ -220,6 +220,12 @@ def stage_memory(model: ModelSpec, layout: Layout, m: int, stage: int, *, dp_ran
             "zero-3 gathered units", gathered, "B",
             "2 layers gathered (current + prefetched) x p + 1 layer of gradients staged x g",
             "ZeRO §5.3; lslm.zero (one unit of look-ahead)")
+    if stage == layout.pp - 1 and layout.mixed != "autocast":  # autocast: in its moments (lslm.plan.autocast)
+        peak = loss_bytes_per_logit(model, layout)
+        buffers["loss temporaries"] = Term(
+            "loss temporaries", loss_temporary_bytes(model, layout), "B",
+            f"({peak} - 4)sbV/t: {model.loss}'s loss at its backward, {peak} bytes per logit with its saved softmax",
+            "lslm.plan.activations, 'The loss' (each style's tensors; the CPU allocator's peak)")
     if layout.pp > 1:
         e = 2 if layout.precision != "fp32" and layout.mixed != "autocast" else 4  # autocast: the fp32 residual
         region = layout.tp if layout.sequence_parallel else 1

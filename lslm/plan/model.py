@@ -24,7 +24,7 @@ __all__ = ["ARCHES", "LOSS_STYLES", "ModelSpec", "model_presets"]
 
 ARCHES = ("gpt", "llama")
 #: how the training step runs the loss, which sets its temporaries (:func:`lslm.plan.activations.loss_bytes_per_logit`)
-LOSS_STYLES = ("lslm", "torchtitan")
+LOSS_STYLES = ("lslm", "torchtitan", "megatron")
 
 
 def _positive(name: str, value: Any) -> None:
@@ -52,7 +52,8 @@ class ModelSpec:
     dropout: bool = True  #: dropout masks are saved for backward (Korthikanti's accounting); "llama": none
     name: str = "custom"
     #: the training step's loss, one of :data:`LOSS_STYLES`: "lslm" (the caller keeps the logits through the
-    #: backward), "torchtitan" (``del pred`` before ``loss.backward()``); see lslm.plan.activations, "The loss"
+    #: backward), "torchtitan" (``del pred`` before ``loss.backward()``), "megatron" (Megatron-LM's vocabulary-
+    #: parallel loss, worked in place on the fp32 copy); see lslm.plan.activations, "The loss"
     loss: str = "lslm"
 
     def __post_init__(self) -> None:

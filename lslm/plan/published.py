@@ -8,7 +8,9 @@ paper's throughput is turned into seconds per step with the paper's own flop cou
 
 * **Narayanan et al. 2021, Table 1** (weak scaling on Selene, A100 80 GB; GPT, sequence 2,048, vocabulary 51,200;
   "achieved teraFLOP/s per GPU" counted with the ``96 B s l h^2 (1 + s/6h + V/16lh)`` flops of full
-  recomputation, their eq. 3): step = that count / (GPUs x Tflop/s).
+  recomputation, their eq. 3): step = that count / (GPUs x Tflop/s). This row and the next source ran
+  Megatron-LM, whose loss works in place on the fp32 logits (``ModelSpec.loss="megatron"``, 6 bytes per logit at
+  its peak; :mod:`lslm.plan.activations`).
 * **Korthikanti et al. 2022, Table 3** (configurations) **and Table 5** (model flops utilization with sequence
   parallelism and selective recomputation, data-parallel size 1, A100 80 GB, 312 Tflop/s; the MFU figures also in
   Megatron-LM's README): step = ``72 B s l h^2 (1 + s/6h + V/12lh)`` / (GPUs x 312e12 x MFU).
@@ -16,23 +18,27 @@ paper's throughput is turned into seconds per step with the paper's own flop cou
   per DP rank, Tflop/s per GPU, bf16 MFU): step = :func:`lslm.plan.timing.model_flops` (``6N`` + ``4 b s^2 h`` per
   layer forward, non-causal) / (GPUs x Tflop/s): the paper does not give its flop count, so the attention part
   (8 % of the flops at 8K) is uncertain by about that much.
-* **torchtitan's benchmarks** (Llama 3(.1) 8B with FSDP2, :data:`TORCHTITAN`): ``docs/performance.md`` (64 A100,
-  tokens/s per GPU) and ``benchmarks/llama3_h100_202412_torchtitan.md`` Tables 1 and 3 (8 and 128 H100 96 GB
-  HBM2e at 500 W, the eager ``FSDP`` rows, tokens/s per GPU, with the peak memory they report): step = local
-  batch x 8,192 tokens / tokens/s per GPU; their op-level selective checkpointing is the calculator's
-  ``recompute="op"`` (:mod:`lslm.plan.op_sac`), their loss ``ModelSpec.loss="torchtitan"`` (the logits deleted
-  before the backward; :mod:`lslm.plan.activations`), and the predicted peak (tensor bytes) is printed beside the
-  reported one (the allocator's reserved maximum) and, in ``--validate``, beside the prediction times the
-  reserved / allocated range measured on the H200 runs (:func:`lslm.plan.validate_memory.reserved_ratio_range`). The
-  H100 rows are outside the target (``outside``): the file says its GPUs' peak is unknown ("between SXM and
-  NVL") and states no rate, so the calculator prices the SXM's; the reason is printed under each. No torchtitan
-  file read here reports a standard H100 SXM (80 GB) run: the 2025 async-TP benchmark uses the same 96 GB HBM2e
-  500 W GPUs (its numbers only in an image), the 2025 H200 rows run float8. Read in pytorch/torchtitan:
-  ``docs/performance.md`` at 0413364 (the "Llama 3 performance numbers" table, row "8B | 1 | selective op | 2973"),
-  ``benchmarks/llama3_h100_202412_torchtitan.md`` at 31a17bf (Hardware; Tables 1 and 3, row "FSDP"; footnote 2),
-  the sequence and checkpointing options from ``train_configs/llama3_8b.toml`` at 0011fb9 ("seq_len = 8192",
-  "selective" / "op"), and the checkpointing policy from ``torchtitan/models/llama/parallelize_llama.py`` at
-  0596be3 (:mod:`lslm.plan.op_sac`).
+* **torchtitan's benchmarks** (FSDP2, :data:`TORCHTITAN`): ``docs/performance.md`` (Llama 3 8B and 70B, Llama 2 13B
+  and 70B on 64 A100, tokens/s per GPU; every row but the "selective layer" ones, a policy not modelled; the file does
+  not state the cluster's network, so each row is also priced at 400 Gb/s per GPU, and the one communication-bound
+  row, Llama 2 70B at local batch 1, is outside the target) and ``benchmarks/llama3_h100_202412_torchtitan.md`` Tables
+  1 and 3 (Llama 3.1 8B on 8 and 128 H100 96 GB HBM2e at 500 W, the eager ``FSDP`` rows, tokens/s per GPU, with the
+  peak memory they report): step = local batch x sequence (8,192 for Llama 3, 4,096 for Llama 2) tokens / tokens/s per
+  GPU; their op-level selective checkpointing is the calculator's ``recompute="op"`` (:mod:`lslm.plan.op_sac`), their
+  loss ``ModelSpec.loss="torchtitan"`` (the logits deleted before the backward; :mod:`lslm.plan.activations`), and the
+  predicted peak (tensor bytes) is printed beside the reported one (the allocator's reserved maximum) and, in
+  ``--validate``, beside the prediction times the reserved / allocated range measured on the H200 runs
+  (:func:`lslm.plan.validate_memory.reserved_ratio_range`). The H100 rows are outside the target (``outside``): the
+  file says its GPUs' peak is unknown ("between SXM and NVL") and states no rate, so the calculator prices the SXM's,
+  and again the NVL's (:attr:`PublishedRun.what_if`); the reason is printed under each. No torchtitan file read here
+  reports a standard H100 SXM (80 GB) run: the 2025 async-TP benchmark uses the same 96 GB HBM2e 500 W GPUs (its
+  numbers only in an image), the 2025 H200 rows run float8. Read in pytorch/torchtitan: ``docs/performance.md`` at
+  0413364 (the "Llama 3 performance numbers" table, rows "8B | 1 | selective op | 2973" and "70B | 1 | full | 331";
+  the "Llama 2 performance numbers" table, rows "13B | 2 | no | 2162", "13B | 2 | selective op | 1904", "70B | 1 |
+  selective op | 355", "70B | 2 | full | 353"), ``benchmarks/llama3_h100_202412_torchtitan.md`` at 31a17bf (Hardware;
+  Tables 1 and 3, row "FSDP"; footnote 2), the sequence and checkpointing options from
+  ``train_configs/llama3_8b.toml`` at 0011fb9 ("seq_len = 8192", "selective" / "op"), and the checkpointing policy
+  from ``torchtitan/models/llama/parallelize_llama.py`` at 0596be3 (:mod:`lslm.plan.op_sac`).
 
 ``error = predicted / published - 1`` on the step time (the throughput's error is ``1/(1 + error) - 1``).
 :func:`validate_published` reports every row, met or not; ``fits`` must be True for each row in the target (they
@@ -72,11 +78,15 @@ class PublishedRun:
     assumptions: str  #: what the paper does not say and we assumed, or what the model leaves out
     outside: str = ""  #: non-empty: the row is outside the target, and why (printed beside it)
     measured_peak_bytes: float | None = None  #: the peak memory the source reports, where it does
+    #: (label, :func:`published_hardware` key): the same row priced on hardware the source leaves open (an
+    #: unstated peak or network), printed under it; never the row's own prediction
+    what_if: tuple[tuple[str, str], ...] = ()
 
 
 def _gpt(n_layer: int, hidden: int, heads: int, micro: int, batch: int, name: str) -> ModelSpec:
+    # Megatron-LM's loss of 2021-22: in place on the fp32 copy of the logits (lslm.plan.activations, "The loss")
     return ModelSpec(n_layer, hidden, heads, 51200, 2048, micro_batch=micro, global_batch=batch, tied=True,
-                     name=name)
+                     name=name, loss="megatron")
 
 
 def _narayanan(n_layer: int, hidden: int, heads: int, t: int, p: int, gpus: int, batch: int, tflops: float,
@@ -126,22 +136,37 @@ def _llama3(gpus: int, dp: int, per_dp: int, tflops: float, mfu: str, extra: str
                         "paper says it pre-trained at 8K without activation checkpointing (§3.3.2): without it "
                         "the calculator's in-flight activations (interleaved 1F1B, unfused SwiGLU) exceed 80 GB, "
                         "so the verdict would be wrong, and the replay it prices adds a third to the compute; flop "
-                        "count assumed 6N + non-causal attention" + extra)
+                        "count assumed 6N + non-causal attention; the loss not stated: lslm's vocabulary-parallel "
+                        "one counted (12 bytes per logit at its peak)" + extra)
 
 
 TORCHTITAN_H100 = "h100-96gb-hbm2e"  #: the H100 of torchtitan's 2024 benchmarks (:func:`published_hardware`)
+TORCHTITAN_H100_NVL_PEAK = "h100-96gb-hbm2e-at-nvl-peak"  #: the same at the lower bound its file gives
+A100_400G = "a100-80gb-400g"  #: ``a100-80gb`` with 400 Gb/s per GPU between nodes
+H100_NVL_BF16 = 1671e12 / 2  #: NVIDIA's H100 datasheet: NVL bf16 tensor core 1,671 Tflop/s with sparsity; dense half
 
 
 def published_hardware() -> dict[str, Hardware]:
     """Presets for GPUs of published rows that :func:`~lslm.plan.hardware.hardware_presets` lacks:
-    ``h100-96gb-hbm2e``, the H100 of torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md`` ("96GB HBM2e
-    with 2.4 TB/sec peak memory bandwidth", run at a 500 W power limit): ``h100-sxm`` with 96 GiB and the H200's
-    streaming rates scaled by 2.4 / 4.8 TB/s. Its compute peak is the SXM's 989 Tflop/s, which that file says is
-    above the real one ("between SXM and NVL, and we don't know its exact value")."""
-    h100 = hardware_presets()["h100-sxm"]
-    return {TORCHTITAN_H100: dataclasses.replace(
-        h100, name="H100 96GB HBM2e (500 W)", hbm_bytes=96 * GiB,
-        calibration=H200_CALIBRATION.scaled("H100 HBM2e", h100.flops("bf16"), 2.4 / 4.8))}
+
+    * ``h100-96gb-hbm2e``, the H100 of torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md`` ("96GB HBM2e
+      with 2.4 TB/sec peak memory bandwidth", run at a 500 W power limit): ``h100-sxm`` with 96 GiB and the H200's
+      streaming rates scaled by 2.4 / 4.8 TB/s. Its compute peak is the SXM's 989 Tflop/s, which that file says
+      is above the real one ("between SXM and NVL, and we don't know its exact value").
+    * ``h100-96gb-hbm2e-at-nvl-peak``: the same at the NVL's 835.5 Tflop/s, that range's other end (a what-if).
+    * ``a100-80gb-400g``: ``a100-80gb`` with 50 GB/s (400 Gb/s) per GPU between nodes instead of 25 (a what-if
+      for rows whose source does not state its network)."""
+    presets = hardware_presets()
+    h100, a100 = presets["h100-sxm"], presets["a100-80gb"]
+    hbm2e = dataclasses.replace(h100, name="H100 96GB HBM2e (500 W)", hbm_bytes=96 * GiB,
+                                calibration=H200_CALIBRATION.scaled("H100 HBM2e", h100.flops("bf16"), 2.4 / 4.8))
+    nvl_peak = {**hbm2e.peak_flops, "bf16": H100_NVL_BF16, "fp16": H100_NVL_BF16}
+    at_nvl = dataclasses.replace(hbm2e, name="H100 96GB HBM2e at the NVL's peak", peak_flops=nvl_peak,
+                                 calibration=H200_CALIBRATION.scaled("H100 HBM2e at the NVL's peak", H100_NVL_BF16,
+                                                                     2.4 / 4.8))
+    a100_400g = dataclasses.replace(a100, name="A100 SXM 80GB, 400 Gb/s per GPU between nodes",
+                                    inter=dataclasses.replace(a100.inter, bandwidth_Bps=50e9))
+    return {TORCHTITAN_H100: hbm2e, TORCHTITAN_H100_NVL_PEAK: at_nvl, A100_400G: a100_400g}
 
 
 _TT_OP_SAC = ("torchtitan's op-level selective checkpointing (train_configs/llama3_8b.toml: mode 'selective', "
@@ -149,28 +174,44 @@ _TT_OP_SAC = ("torchtitan's op-level selective checkpointing (train_configs/llam
               "5th and 7th matmuls' outputs and the attention's kept, the rest replayed)")
 
 
+#: Llama 3 70B (Llama 3 paper, Table 3: 80 layers, width 8,192, FFN 28,672, 64 heads, 8 key/value heads)
+LLAMA3_70B = ModelSpec(80, 8192, 64, 128256, 8192, n_kv_head=8, ffn_hidden=28672, arch="llama", dropout=False,
+                       name="Llama 3 70B")
+#: Llama 2 13B (Touvron et al. 2023 and its model card: 40 layers, width 5,120, 40 heads, FFN 13,824, context 4,096)
+LLAMA2_13B = ModelSpec(40, 5120, 40, 32000, 4096, ffn_hidden=13824, arch="llama", dropout=False, name="Llama 2 13B")
+_TT_RECOMPUTE = {"op": _TT_OP_SAC, "full": "full activation checkpointing (recompute='full')",
+                 "none": "no activation checkpointing"}
+
+
 def _torchtitan(source: str, hardware: str, gpus: int, local: int, tps: float, memory_gib: float | None = None,
-                outside: str = "") -> PublishedRun:
-    """Llama 3(.1) 8B, FSDP2 over all ``gpus`` (ZeRO-3), bf16 compute over fp32 sharded parameters, gradients
-    reduce-scattered in fp32 (torchtitan's default; counted as bf16 parameters + fp32 masters + fp32 gradients,
-    18 bytes per parameter where FSDP2's fp32 shards hold 16: 2 bytes / dp more), flash attention, sequence
-    8,192 (``train_configs/llama3_8b.toml``), op-level selective checkpointing (``recompute="op"``); step =
-    ``local x 8192`` tokens / TPS per GPU. ``memory_gib``: the peak the file reports (GiB), compared with the
-    predicted peak."""
-    model = dataclasses.replace(model_presets()["llama3-8b"].with_batch(micro_batch=local, global_batch=local * gpus),
-                                loss="torchtitan")
-    layout = Layout(dp=gpus, zero=3, flash_attention=True, recompute="op", precision="bf16")
+                outside: str = "", model: ModelSpec | None = None, recompute: str = "op",
+                what_if: tuple[tuple[str, str], ...] = ()) -> PublishedRun:
+    """``model`` (default Llama 3(.1) 8B), FSDP2 over all ``gpus`` (ZeRO-3), bf16 compute over fp32 sharded
+    parameters, gradients reduce-scattered in fp32 (torchtitan's default; counted as bf16 parameters + fp32
+    masters + fp32 gradients, 18 bytes per parameter where FSDP2's fp32 shards hold 16: 2 bytes / dp more), flash
+    attention, the model's sequence (8,192 for Llama 3, ``train_configs/llama3_8b.toml``; 4,096 for Llama 2),
+    ``recompute`` (op-level selective by default); step = ``local x sequence`` tokens / TPS per GPU.
+    ``memory_gib``: the peak the file reports (GiB), compared with the predicted peak."""
+    if hardware == "a100-80gb" and not what_if:  # docs/performance.md does not state the cluster's network
+        what_if = (("at 400 Gb/s per GPU between nodes (the preset: 200)", A100_400G),)
+    base = model_presets()["llama3-8b"] if model is None else model
+    model = dataclasses.replace(base.with_batch(micro_batch=local, global_batch=local * gpus), loss="torchtitan")
+    layout = Layout(dp=gpus, zero=3, flash_attention=True, recompute=recompute, precision="bf16")
     memory = f", {memory_gib:.1f} GiB" if memory_gib is not None else ""
     return PublishedRun(source, hardware, model, layout, f"{tps:,g} tokens/s per GPU" + memory,
-                        local * model.seq_len / tps, f"local batch {local}, sequence 8,192 (the config's), eager; "
-                        + _TT_OP_SAC, outside, None if memory_gib is None else memory_gib * GiB)
+                        local * model.seq_len / tps, f"local batch {local}, sequence {model.seq_len:,} (the "
+                        f"config's), eager; " + _TT_RECOMPUTE[recompute], outside,
+                        None if memory_gib is None else memory_gib * GiB, what_if)
 
 
 _TT_H100 = ("the file's own facts (its Hardware section, footnote 2): H100s with 96 GB HBM2e at 2.4 TB/s (modelled) "
             "at the default 500 W power limit ('tuning it up to 700W TDP can potentially provide further "
             "speedups'), whose 'actual peak TFLOPs number is between SXM and NVL, and we don't know its exact "
             "value': it states no rate, so none is modelled (the SXM's 989 Tflop/s with the H200's measured "
-            "efficiencies is priced); its MFU, 33 % eager against the SXM's peak, restates the TPS. The runs were "
+            "efficiencies is priced, and the row again at the NVL's peak, the range's other end: still beyond "
+            "the target); its MFU, 33 % eager against the SXM's peak, restates the TPS. The same recipe on "
+            "A100s, whose peak is stated (the performance.md rows), is in the target, so what is left is what "
+            "the file does not state: the rate its GPUs hold at 500 W. The runs were "
             "eager (no torch.compile, no float8; 1D, so no async TP): the same table's torch.compile row is 16 % "
             "faster (6,667 TPS): what compiling fuses (eager runs RoPE as fp32 complex products, "
             "torchtitan/models/llama/model.py) the elementwise model already counts as one pass. About the "
@@ -182,17 +223,40 @@ _TT_H100 = ("the file's own facts (its Hardware section, footnote 2): H100s with
             "runs' measured reserved / allocated range")
 
 
-#: torchtitan's published benchmarks (the issue's "115-176 % too fast" and "does NOT fit" rows)
+_TT_A100_NETWORK = ("communication-bound: with one 4,096-token micro-batch per GPU, each layer's all-gathers (the "
+                    "bf16 weights, forward and backward) and reduce-scatter (the fp32 gradients) outlast its "
+                    "compute, so the step is the network's. docs/performance.md does not state the A100 "
+                    "cluster's network: the a100-80gb preset's 25 GB/s (200 Gb/s) per GPU between nodes is "
+                    "priced, and every A100 row is priced again at 400 Gb/s. The same table's local batch 2 "
+                    "(full checkpointing) has twice the compute per gather, hides the traffic at either rate, "
+                    "and is in the target")
+_TT_H100_NVL = ("at the NVL's 835.5 Tflop/s, the other end of the file's 'between SXM and NVL'",
+                TORCHTITAN_H100_NVL_PEAK)
+_TT_DOCS = "torchtitan performance.md, "
+
+#: torchtitan's published benchmarks (the issue's "115-176 % too fast" and "does NOT fit" rows): every row of
+#: docs/performance.md's Llama 3 and Llama 2 tables on 64 A100s but the "selective layer" ones (torchtitan's
+#: every-second-block checkpointing, which the calculator does not model), and the eager FSDP rows of the 2024
+#: H100 file (its other rows run torch.compile and float8, not modelled)
 TORCHTITAN: tuple[PublishedRun, ...] = (
-    _torchtitan("torchtitan docs/performance.md, Llama 3 8B, 64 A100, selective op", "a100-80gb", 64, 1, 2973),
-    _torchtitan("torchtitan llama3_h100_202412 Table 1, 8B FSDP, 8 GPUs", TORCHTITAN_H100, 8, 2, 5762,
-                82.4, _TT_H100),
-    _torchtitan("torchtitan llama3_h100_202412 Table 3, 8B FSDP, 128 GPUs", TORCHTITAN_H100, 128, 2, 5605,
-                67.0, _TT_H100),
+    _torchtitan(_TT_DOCS + "Llama 3 8B, 64 A100, op AC", "a100-80gb", 64, 1, 2973),
+    _torchtitan(_TT_DOCS + "Llama 3 70B, 64 A100, full AC", "a100-80gb", 64, 1, 331, model=LLAMA3_70B,
+                recompute="full"),
+    _torchtitan(_TT_DOCS + "Llama 2 13B, 64 A100, no AC", "a100-80gb", 64, 2, 2162, model=LLAMA2_13B,
+                recompute="none"),
+    _torchtitan(_TT_DOCS + "Llama 2 13B, 64 A100, op AC", "a100-80gb", 64, 2, 1904, model=LLAMA2_13B),
+    _torchtitan(_TT_DOCS + "Llama 2 70B, 64 A100, op AC", "a100-80gb", 64, 1, 355,
+                model=model_presets()["llama2-70b"], outside=_TT_A100_NETWORK),
+    _torchtitan(_TT_DOCS + "Llama 2 70B, 64 A100, full AC", "a100-80gb", 64, 2, 353,
+                model=model_presets()["llama2-70b"], recompute="full"),
+    _torchtitan("torchtitan h100_202412 Table 1, 8B FSDP, 8 GPUs", TORCHTITAN_H100, 8, 2, 5762,
+                82.4, _TT_H100, what_if=(_TT_H100_NVL,)),
+    _torchtitan("torchtitan h100_202412 Table 3, 8B FSDP, 128 GPUs", TORCHTITAN_H100, 128, 2, 5605,
+                67.0, _TT_H100, what_if=(_TT_H100_NVL,)),
 )
 
 
-#: The rows (module doc): Narayanan 2021 Table 1 (4 rows), Korthikanti 2022 (4), Llama 3 Table 4 (2), torchtitan (3).
+#: The rows (module doc): Narayanan 2021 Table 1 (4 rows), Korthikanti 2022 (4), Llama 3 Table 4 (2), torchtitan (8).
 PUBLISHED: tuple[PublishedRun, ...] = (
     _narayanan(24, 2304, 24, 1, 1, 32, 512, 137, 16, "1.7B"),
     _narayanan(40, 6144, 48, 8, 1, 256, 1024, 135, 8, "18.4B"),
@@ -211,13 +275,19 @@ def validate_published(runs: tuple[PublishedRun, ...] = PUBLISHED) -> list[dict[
     """One row per run: ``source``, ``hardware``, ``layout``, ``published_s``, ``predicted_s``, ``error``
     (predicted / published - 1), ``fits`` (the calculator's verdict; each was trained, so True is right),
     ``peak_gb``, ``mfu`` (predicted), ``assumptions`` (module doc), ``measured_peak_gib`` and ``peak_error``
-    (predicted / reported peak - 1; None where the source reports no peak)."""
+    (predicted / reported peak - 1; None where the source reports no peak), ``what_if`` (the row on each
+    :attr:`PublishedRun.what_if` hardware: ``label``, ``hardware``, ``predicted_s``, ``error``, ``fits``)."""
     presets = {**hardware_presets(), **published_hardware()}
     out = []
     for r in runs:
         hw = presets[r.hardware]
         est = estimate(r.model, r.layout, hw, r.layout.world)
-        out.append({"source": r.source, "hardware": hw.name, "layout": r.layout.describe(),
+        what_if = []
+        for label, key in r.what_if:
+            alt = estimate(r.model, r.layout, presets[key], r.layout.world)
+            what_if.append({"label": label, "hardware": presets[key].name, "predicted_s": alt.step_s,
+                            "error": alt.step_s / r.published_step_s - 1, "fits": alt.fits})
+        out.append({"what_if": what_if, "source": r.source, "hardware": hw.name, "layout": r.layout.describe(),
                     "reported": r.reported, "published_s": r.published_step_s, "predicted_s": est.step_s,
                     "error": est.step_s / r.published_step_s - 1, "fits": est.fits, "peak_gb": est.peak_bytes / 1e9,
                     "mfu": est.mfu, "assumptions": r.assumptions, "in_target": not r.outside,
@@ -248,6 +318,9 @@ def format_published(rows: list[dict[str, Any]], tolerance: float = PUBLISHED_TO
                 inside = "inside" if low <= r["measured_peak_gib"] <= high else "outside"
                 lines.append(f"    with the H200 runs' reserved / allocated ratio ({slack[0]:.3f}-{slack[1]:.3f}): "
                              f"{low:.1f}-{high:.1f} GiB reserved, the reported {inside}")
+        for w in r["what_if"]:
+            lines.append(f"    what if, {w['label']}: {w['predicted_s']:.3f} s ({w['error']:+.1%})"
+                         + ("" if w["fits"] else ", does NOT fit"))
         if not r["in_target"]:
             lines.append(f"    - outside the target: {r['outside']}")
     target = [r for r in rows if r["in_target"]]
