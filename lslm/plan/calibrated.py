@@ -23,6 +23,17 @@ its own rate (:mod:`lslm.plan.gpu_calibration`), per device (``t`` tensor-parall
   weight gradient to fp32 (``2 + 4``). The last stage adds the final norm and the loss over the vocabulary,
   ``36 V/t`` bytes per token: the fp32 copy of the half logits (6), log-softmax (8), the loss's gradient (4),
   log-softmax's backward (12), the cast back (6). Tensor-parallel ranks each do their shard (``/t``).
+* **torchtitan's eager Llama block** (``ModelSpec.kernels == "torchtitan"``): every aten op its own pass, counted
+  op by op from its code (pytorch/torchtitan at 9dec370, the 2024 H100 benchmarks' commit:
+  ``torchtitan/models/norms.py``'s ``RMSNorm``, ``x.float()``, ``pow(2)``, ``mean``, ``+ eps``, ``rsqrt``, ``*``,
+  ``type_as``, ``* weight``; ``torchtitan/models/llama/model.py``'s rotary embedding as complex products on fp32
+  copies of q and k, ``repeat_kv`` copying k and v to every query head, SwiGLU as ``silu`` then ``*``; no transpose
+  copy: flash attention's output is already token-major) and checked against
+  :class:`lslm.metrics.traffic.ElementwiseTraffic` on a block written op for op the same
+  (tests/test_plan_elementwise.py): per token of one layer, with ``k`` = key/value width ``n_kv · d`` and ``r`` = 1
+  where ``repeat_kv`` copies (``n_kv < n_head``), forward ``84h + 48`` (two norms, two residual adds; ``/t`` with
+  SP) ``+ (20h + 20k + r(4h + 4k) + 10f) / t`` (rotary, repeat, SwiGLU), backward ``214h + 80`` ``+ (20h + 20k +
+  r(4h + 4k) + 18f) / t``: for Llama 3 8B, 3.4 times the fused count. Its final norm is counted as the fused one.
 * **Recomputation**: selective repeats the attention's forward (``1/3.5`` of its time), full the whole layer's
   forward (GEMMs, attention, elementwise); ``"op"`` (torchtitan's op-level selective) the GEMMs whose outputs
   it does not keep, each at its own shape's efficiency, and the layer's elementwise forward, not the attention
@@ -47,9 +58,20 @@ from lslm.plan.model import ModelSpec
 from lslm.plan.op_sac import op_recomputed_gemms
 
 __all__ = ["LOSS_BYTES_PER_LOGIT", "MicrobatchTimes", "elementwise_bytes", "layer_gemms", "microbatch_times",
-           "optimizer_bytes", "optimizer_seconds"]
+           "optimizer_bytes", "optimizer_seconds", "torchtitan_layer_bytes"]
 
 LOSS_BYTES_PER_LOGIT = 36  #: bytes the loss streams per token and vocabulary entry, forward + backward (module doc)
+
+
+def torchtitan_layer_bytes(model: ModelSpec, layout: Layout) -> tuple[float, float]:
+    """(forward, backward) bytes per token that one layer of torchtitan's eager Llama block moves outside its
+    matmuls and attention on one device (module doc, counted op by op)."""
+    h, f, t = model.hidden, model.ffn, layout.tp
+    k = model.kv_heads * model.head_dim
+    region = t if layout.sequence_parallel else 1
+    repeat = 4 * h + 4 * k if model.kv_heads < model.n_head else 0  # repeat_kv's copies (backward: their sums)
+    return ((84 * h + 48) / region + (20 * h + 20 * k + repeat + 10 * f) / t,
+            (214 * h + 80) / region + (20 * h + 20 * k + repeat + 18 * f) / t)
 
 
 def layer_gemms(model: ModelSpec, tp: int) -> list[tuple[str, int, int]]:
@@ -64,7 +86,8 @@ def layer_gemms(model: ModelSpec, tp: int) -> list[tuple[str, int, int]]:
 
 def elementwise_bytes(model: ModelSpec, layout: Layout) -> tuple[float, float]:
     """(per token of one layer's forward, per token of the loss forward + backward) bytes of memory-bound
-    elementwise work on one device (module doc); the layer's backward streams twice its forward's."""
+    elementwise work on one device with fused kernels (module doc); the layer's backward streams twice its
+    forward's. ``ModelSpec.kernels == "torchtitan"`` layers are :func:`torchtitan_layer_bytes` instead."""
     h, f, t = model.hidden, model.ffn, layout.tp
     region = t if layout.sequence_parallel else 1
     autocast = layout.mixed == "autocast"
@@ -109,21 +132,28 @@ def microbatch_times(model: ModelSpec, layout: Layout, cal: GpuCalibration, laye
     per_token, loss_per_token = elementwise_bytes(model, layout)
     fwd_ew = tokens * per_token / cal.hbm_Bps
     if layout.mixed == "autocast":
+        if model.kernels == "torchtitan":
+            raise ValueError("ModelSpec.kernels='torchtitan' counts torchtitan's bf16 block (FSDP2's mixed "
+                             "precision): use Layout(mixed='masters') with it")
         fwd_ew += 6 * layer_linear_params(model, t) / cal.hbm_Bps  # the weights' half copies
         bwd_cast = 6 * layer_linear_params(model, t) / cal.hbm_Bps  # half weight gradients to fp32
     else:
         bwd_cast = 0.0
+    bwd_ew = 2 * fwd_ew  # the fused count: each pass's backward reads and writes twice its forward's bytes
+    if model.kernels == "torchtitan":
+        fwd_b, bwd_b = torchtitan_layer_bytes(model, layout)
+        fwd_ew, bwd_ew = tokens * fwd_b / cal.hbm_Bps, tokens * bwd_b / cal.hbm_Bps
     recompute_gemm = fwd_gemm if layout.recompute == "full" else 0.0
     if layout.recompute == "op":  # the matmuls whose outputs torchtitan's policy does not keep
         recompute_gemm = sum(2 * tokens * n * k / (cal.gemm_efficiency(kind, tokens, n, k) * peak)
                              for kind, n, k in op_recomputed_gemms(model, t))
     recompute_attn = {"none": 0.0, "selective": attn / 3.5, "full": attn / 3.5, "op": 0.0}[layout.recompute]
     recompute_ew = fwd_ew if layout.recompute in ("full", "op") else 0.0
-    layer = 3 * fwd_gemm + recompute_gemm + attn + recompute_attn + 3 * fwd_ew + bwd_cast + recompute_ew
+    layer = 3 * fwd_gemm + recompute_gemm + attn + recompute_attn + fwd_ew + bwd_ew + bwd_cast + recompute_ew
     gemm = layers * (3 * fwd_gemm + recompute_gemm)
     attention = layers * (attn + recompute_attn)
-    elementwise = layers * (3 * fwd_ew + bwd_cast + recompute_ew)
-    backward = layers * (2 * fwd_gemm + attn * 2.5 / 3.5 + 2 * fwd_ew + bwd_cast)
+    elementwise = layers * (fwd_ew + bwd_ew + bwd_cast + recompute_ew)
+    backward = layers * (2 * fwd_gemm + attn * 2.5 / 3.5 + bwd_ew + bwd_cast)
     if head:
         v = -(-model.vocab // t)
         head_fwd = 2 * tokens * v * model.hidden / (cal.gemm_efficiency("fc1", tokens, v, model.hidden) * peak)

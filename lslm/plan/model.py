@@ -20,11 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["ARCHES", "LOSS_STYLES", "ModelSpec", "model_presets"]
+__all__ = ["ARCHES", "KERNEL_STYLES", "LOSS_STYLES", "ModelSpec", "model_presets"]
 
 ARCHES = ("gpt", "llama")
 #: how the training step runs the loss, which sets its temporaries (:func:`lslm.plan.activations.loss_bytes_per_logit`)
 LOSS_STYLES = ("lslm", "torchtitan", "megatron")
+#: how the layers' elementwise work runs, which sets its memory traffic (:mod:`lslm.plan.calibrated`)
+KERNEL_STYLES = ("fused", "torchtitan")
 
 
 def _positive(name: str, value: Any) -> None:
@@ -55,6 +57,10 @@ class ModelSpec:
     #: backward), "torchtitan" (``del pred`` before ``loss.backward()``), "megatron" (Megatron-LM's vocabulary-
     #: parallel loss, worked in place on the fp32 copy); see lslm.plan.activations, "The loss"
     loss: str = "lslm"
+    #: the layers' elementwise work, one of :data:`KERNEL_STYLES`: "fused" (one pass per norm, activation and
+    #: residual: lslm's GPT's kernels, Megatron-LM's fused ones), "torchtitan" (torchtitan's eager Llama block, op
+    #: by op: RMSNorm in fp32, rotary embeddings as complex products; "llama" only); see lslm.plan.calibrated
+    kernels: str = "fused"
 
     def __post_init__(self) -> None:
         for field in ("n_layer", "hidden", "n_head", "vocab", "seq_len", "micro_batch", "global_batch"):
@@ -63,6 +69,11 @@ class ModelSpec:
             raise ValueError(f"ModelSpec.arch must be one of {ARCHES}, got {self.arch!r}")
         if self.loss not in LOSS_STYLES:
             raise ValueError(f"ModelSpec.loss must be one of {LOSS_STYLES}, got {self.loss!r}")
+        if self.kernels not in KERNEL_STYLES:
+            raise ValueError(f"ModelSpec.kernels must be one of {KERNEL_STYLES}, got {self.kernels!r}")
+        if self.kernels == "torchtitan" and self.arch != "llama":
+            raise ValueError("ModelSpec.kernels='torchtitan' counts torchtitan's eager Llama block: it needs "
+                             "arch='llama'")
         if self.hidden % self.n_head:
             raise ValueError(f"hidden={self.hidden} must be divisible by n_head={self.n_head} (head width)")
         if self.n_kv_head is not None:

@@ -28,22 +28,24 @@ paper's throughput is turned into seconds per step with the paper's own flop cou
   loss ``ModelSpec.loss="torchtitan"`` (the logits deleted before the backward; :mod:`lslm.plan.activations`), and the
   predicted peak (tensor bytes) is printed beside the reported one (the allocator's reserved maximum) and, in
   ``--validate``, beside the prediction times the reserved / allocated range measured on the H200 runs
-  (:func:`lslm.plan.validate_memory.reserved_ratio_range`). The H100 rows are outside the target (``outside``): the
-  file says its GPUs' peak is unknown ("between SXM and NVL") and states no rate, so the calculator prices the SXM's,
-  and again the NVL's (:attr:`PublishedRun.what_if`); the reason is printed under each. No torchtitan file read here
-  reports a standard H100 SXM (80 GB) run: the 2025 async-TP benchmark uses the same 96 GB HBM2e 500 W GPUs (its
-  numbers only in an image), the 2025 H200 rows run float8. Read in pytorch/torchtitan: ``docs/performance.md`` at
-  0413364 (the "Llama 3 performance numbers" table, rows "8B | 1 | selective op | 2973" and "70B | 1 | full | 331";
-  the "Llama 2 performance numbers" table, rows "13B | 2 | no | 2162", "13B | 2 | selective op | 1904", "70B | 1 |
-  selective op | 355", "70B | 2 | full | 353"), ``benchmarks/llama3_h100_202412_torchtitan.md`` at 31a17bf (Hardware;
-  Tables 1 and 3, row "FSDP"; footnote 2), the sequence and checkpointing options from
-  ``train_configs/llama3_8b.toml`` at 0011fb9 ("seq_len = 8192", "selective" / "op"), and the checkpointing policy
-  from ``torchtitan/models/llama/parallelize_llama.py`` at 0596be3 (:mod:`lslm.plan.op_sac`).
+  (:func:`lslm.plan.validate_memory.reserved_ratio_range`). The H100 file says its GPUs' peak is unknown ("between SXM
+  and NVL") and states no rate, so the calculator prices the SXM's and again the NVL's (:attr:`PublishedRun.what_if`):
+  with torchtitan's eager block counted op by op (``ModelSpec.kernels="torchtitan"``, :mod:`lslm.plan.calibrated`)
+  both rows are within the target at either end. No torchtitan file read here reports a standard H100 SXM (80 GB) run:
+  the 2025 async-TP benchmark uses the same 96 GB HBM2e 500 W GPUs (its numbers only in an image), the 2025 H200 rows
+  run float8. Read in pytorch/torchtitan: ``docs/performance.md`` at 0413364 (the "Llama 3 performance numbers" table,
+  rows "8B | 1 | selective op | 2973" and "70B | 1 | full | 331"; the "Llama 2 performance numbers" table, rows "13B |
+  2 | no | 2162", "13B | 2 | selective op | 1904", "70B | 1 | selective op | 355", "70B | 2 | full | 353"),
+  ``benchmarks/llama3_h100_202412_torchtitan.md`` at 31a17bf (Hardware; Tables 1 and 3, row "FSDP"; footnote 2), the
+  sequence and checkpointing options from ``train_configs/llama3_8b.toml`` at 0011fb9 ("seq_len = 8192", "selective" /
+  "op"), and the checkpointing policy from ``torchtitan/models/llama/parallelize_llama.py`` at 0596be3
+  (:mod:`lslm.plan.op_sac`).
 
 ``error = predicted / published - 1`` on the step time (the throughput's error is ``1/(1 + error) - 1``).
 :func:`validate_published` reports every row, met or not; ``fits`` must be True for each row in the target (they
 trained). No constant is fitted to these rows: what changed a row's prediction is a fact about what it ran
-(Megatron-LM's 2021 data parallelism reducing after the backward; Llama 3's one-layer virtual stages).
+(Megatron-LM's 2021 data parallelism reducing after the backward; Llama 3's one-layer virtual stages; torchtitan's
+eager block, op by op, and its loss).
 """
 
 from __future__ import annotations
@@ -185,7 +187,7 @@ _TT_RECOMPUTE = {"op": _TT_OP_SAC, "full": "full activation checkpointing (recom
 
 def _torchtitan(source: str, hardware: str, gpus: int, local: int, tps: float, memory_gib: float | None = None,
                 outside: str = "", model: ModelSpec | None = None, recompute: str = "op",
-                what_if: tuple[tuple[str, str], ...] = ()) -> PublishedRun:
+                what_if: tuple[tuple[str, str], ...] = (), notes: str = "") -> PublishedRun:
     """``model`` (default Llama 3(.1) 8B), FSDP2 over all ``gpus`` (ZeRO-3), bf16 compute over fp32 sharded
     parameters, gradients reduce-scattered in fp32 (torchtitan's default; counted as bf16 parameters + fp32
     masters + fp32 gradients, 18 bytes per parameter where FSDP2's fp32 shards hold 16: 2 bytes / dp more), flash
@@ -195,32 +197,30 @@ def _torchtitan(source: str, hardware: str, gpus: int, local: int, tps: float, m
     if hardware == "a100-80gb" and not what_if:  # docs/performance.md does not state the cluster's network
         what_if = (("at 400 Gb/s per GPU between nodes (the preset: 200)", A100_400G),)
     base = model_presets()["llama3-8b"] if model is None else model
-    model = dataclasses.replace(base.with_batch(micro_batch=local, global_batch=local * gpus), loss="torchtitan")
+    model = dataclasses.replace(base.with_batch(micro_batch=local, global_batch=local * gpus), loss="torchtitan",
+                                kernels="torchtitan")
     layout = Layout(dp=gpus, zero=3, flash_attention=True, recompute=recompute, precision="bf16")
     memory = f", {memory_gib:.1f} GiB" if memory_gib is not None else ""
     return PublishedRun(source, hardware, model, layout, f"{tps:,g} tokens/s per GPU" + memory,
                         local * model.seq_len / tps, f"local batch {local}, sequence {model.seq_len:,} (the "
-                        f"config's), eager; " + _TT_RECOMPUTE[recompute], outside,
+                        f"config's), eager (ModelSpec.kernels='torchtitan'); " + _TT_RECOMPUTE[recompute]
+                        + (f"; {notes}" if notes else ""), outside,
                         None if memory_gib is None else memory_gib * GiB, what_if)
 
 
 _TT_H100 = ("the file's own facts (its Hardware section, footnote 2): H100s with 96 GB HBM2e at 2.4 TB/s (modelled) "
             "at the default 500 W power limit ('tuning it up to 700W TDP can potentially provide further "
             "speedups'), whose 'actual peak TFLOPs number is between SXM and NVL, and we don't know its exact "
-            "value': it states no rate, so none is modelled (the SXM's 989 Tflop/s with the H200's measured "
-            "efficiencies is priced, and the row again at the NVL's peak, the range's other end: still beyond "
-            "the target); its MFU, 33 % eager against the SXM's peak, restates the TPS. The same recipe on "
-            "A100s, whose peak is stated (the performance.md rows), is in the target, so what is left is what "
-            "the file does not state: the rate its GPUs hold at 500 W. The runs were "
-            "eager (no torch.compile, no float8; 1D, so no async TP): the same table's torch.compile row is 16 % "
-            "faster (6,667 TPS): what compiling fuses (eager runs RoPE as fp32 complex products, "
-            "torchtitan/models/llama/model.py) the elementwise model already counts as one pass. About the "
-            "same error at 8 and 128 GPUs puts the gap in the GPU and its kernels, not the network. The peak: "
-            "torchtitan's loss is cross_entropy on an fp32 copy of the bf16 logits (pred.flatten(0, 1).float(), "
-            "pred deleted before the backward), counted as ModelSpec.loss='torchtitan' (12 bytes per logit at the "
-            "loss's backward, 23.5 GiB at local batch 2; lslm.plan.activations); the predicted peak is tensor "
-            "bytes, the reported one the allocator's maximum reserved (max_reserved_gib), set beside the H200 "
-            "runs' measured reserved / allocated range")
+            "value': priced at the SXM's 989 Tflop/s with the H200's measured efficiencies, and again at the "
+            "NVL's 835.5 (the 'what if' line), the range's two ends; its MFU, 33 % eager against the SXM's peak, "
+            "restates the TPS. The runs were eager (no torch.compile, no float8; 1D, so no async TP): torchtitan's "
+            "block counted op by op (ModelSpec.kernels='torchtitan', lslm.plan.calibrated: RMSNorm in fp32, "
+            "rotary embeddings as complex products, 3.4 times the fused count); the same table's torch.compile row "
+            "is 16 % faster (6,667 TPS). The peak: torchtitan's loss is cross_entropy on an fp32 copy of the bf16 "
+            "logits (pred.flatten(0, 1).float(), pred deleted before the backward), counted as "
+            "ModelSpec.loss='torchtitan' (12 bytes per logit at the loss's backward, 23.5 GiB at local batch 2; "
+            "lslm.plan.activations); the predicted peak is tensor bytes, the reported one the allocator's maximum "
+            "reserved (max_reserved_gib), set beside the H200 runs' measured reserved / allocated range")
 
 
 _TT_A100_NETWORK = ("communication-bound: with one 4,096-token micro-batch per GPU, each layer's all-gathers (the "
@@ -250,9 +250,9 @@ TORCHTITAN: tuple[PublishedRun, ...] = (
     _torchtitan(_TT_DOCS + "Llama 2 70B, 64 A100, full AC", "a100-80gb", 64, 2, 353,
                 model=model_presets()["llama2-70b"], recompute="full"),
     _torchtitan("torchtitan h100_202412 Table 1, 8B FSDP, 8 GPUs", TORCHTITAN_H100, 8, 2, 5762,
-                82.4, _TT_H100, what_if=(_TT_H100_NVL,)),
+                82.4, what_if=(_TT_H100_NVL,), notes=_TT_H100),
     _torchtitan("torchtitan h100_202412 Table 3, 8B FSDP, 128 GPUs", TORCHTITAN_H100, 128, 2, 5605,
-                67.0, _TT_H100, what_if=(_TT_H100_NVL,)),
+                67.0, what_if=(_TT_H100_NVL,), notes=_TT_H100),
 )
 
 
