@@ -132,5 +132,10 @@ def test_each_style_in_the_memory_model():
     assert a.moments["forward end"] == t.moments["forward end"]
     assert a.moments["loss backward"] - t.moments["loss backward"] == 2 * sbv
     assert (a.after_backward, t.after_backward) == (2 * sbv, 0.0)
+    # under tp, lslm's vocabulary-parallel loss: 12 bytes per logit at its backward, as torchtitan's 12 (whose
+    # logits are gone but whose backward holds one more fp32 gradient)
+    auto2 = replace(auto, tp=2)
+    a2, t2 = (autocast_activations(m, auto2, 1, 0, "none", layer_linear_params(m, 2)) for m in (lslm, titan))
+    assert a2.moments == t2.moments and a2.after_backward == 2 * sbv / 2
     with pytest.raises(ValueError, match="masters"):
         autocast_activations(megatron, auto, 1, 0, "none", layer_linear_params(megatron, 1))

@@ -28,8 +28,10 @@ autocast that gives, with ``e = 2`` the half width and ``region`` ``t`` with seq
   ``log_softmax`` has run: its backward needs no input); the fp32 log-softmax (``4 sbV/t``, saved by
   ``log_softmax`` and by ``nll_loss``, one tensor). In backward ``nll_loss`` makes the fp32 gradient of its
   input (``4 sbV/t``) and ``log_softmax``'s backward its own (``4 sbV/t``) while the saved output is alive:
-  ``(2 + 4 + 4 + 4) sbV/t``, 14 bytes per logit with bf16. Under tensor parallelism the same tensors are
-  assumed per vocabulary shard (lslm's vocabulary-parallel cross-entropy is not counted tensor by tensor).
+  ``(2 + 4 + 4 + 4) sbV/t``, 14 bytes per logit with bf16. Under tensor parallelism lslm's GPT runs its
+  vocabulary-parallel cross-entropy instead, per vocabulary shard: the same logits and saved fp32 softmax, and at
+  its backward the softmax's clone turned gradient and that gradient cast back, ``(2 + 4 + 4 + 2) sbV/t``
+  (:func:`lslm.plan.activations.loss_moments_per_logit` gives each style's two moments).
   With ``ModelSpec.loss == "torchtitan"`` (``del pred`` before the backward) the half logits are held only
   until the forward's end: ``12 sbV/t`` at the loss's backward, nothing after it (:mod:`lslm.plan.activations`).
   The final LayerNorm saves its fp32 input (``4 sbh/region``), the head the half copy of its output (``e sbh``).
@@ -52,6 +54,7 @@ from lslm.plan.activations import (
     in_flight_layers,
     layer_activation_bytes,
     layer_formula,
+    loss_moments_per_logit,
 )
 from lslm.plan.layout import Layout, layers_on_stage
 from lslm.plan.model import ModelSpec
@@ -130,9 +133,12 @@ def autocast_activations(model: ModelSpec, layout: Layout, m: int, stage: int, r
         formula += (" + final LayerNorm's fp32 input 4sbh + head input e·sbh + "
                     + ("logits e·sbV/t + " if caller else "") + "log-softmax 4sbV/t")
     base = saved + loss_held + e * head
-    # at the forward's end the logits are alive whoever deletes them later, with their fp32 copy
-    moments = {"forward end": base + e * cached_copies + ((FP32 + e - caller) * sbv if last else 0.0)}
-    moments["loss backward" if last else "backward"] = base + e * kept_copies + (2 * FP32 * sbv if last else 0.0)
+    # the loss's two moments beyond what it holds between them (the caller's logits, the saved fp32 softmax): at the
+    # forward's end the logits are alive whoever deletes them later, with the fp32 copy; at its backward the gradients
+    loss = loss_moments_per_logit(model.loss, e, layout.tp > 1)
+    moments = {"forward end": base + e * cached_copies + ((loss["forward end"] - caller - FP32) * sbv if last else 0.0)}
+    moments["loss backward" if last else "backward"] = base + e * kept_copies + (
+        (loss["loss backward"] - caller - FP32) * sbv if last else 0.0)
     working = autocast_layer_bytes(model, layout, "none", mask_bytes=mask_bytes) - one
     if recompute != "none" and working > 0:
         moments["replay"] = base - (FP32 * sbv if last else 0.0) + e * kept_copies + working + e * lin
@@ -140,7 +146,7 @@ def autocast_activations(model: ModelSpec, layout: Layout, m: int, stage: int, r
     formula += (" + at the peak moment (" + peak + "): "
                 + {"forward end": ("fp32 logits copy 4sbV/t" if last else "")
                    + (" + the cache's copies of the stage's layers" if recompute == "full" else ""),
-                   "loss backward": "the loss's two fp32 input gradients 8sbV/t",
+                   "loss backward": "the loss's input gradients (fp32, and cast back where vocabulary-parallel)",
                    "backward": "nothing more",
                    "replay": "one layer replayed (its bytes without recompute and its weight copies)"}[peak])
     return AutocastActivations(moments[peak], formula, moments, caller * sbv if last else 0.0)
