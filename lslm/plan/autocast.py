@@ -146,7 +146,9 @@ def autocast_activations(model: ModelSpec, layout: Layout, m: int, stage: int, r
     formula += (" + at the peak moment (" + peak + "): "
                 + {"forward end": ("fp32 logits copy 4sbV/t" if last else "")
                    + (" + the cache's copies of the stage's layers" if recompute == "full" else ""),
-                   "loss backward": "the loss's input gradients (fp32, and cast back where vocabulary-parallel)",
+                   "loss backward": ("the loss's fp32 gradient and its cast back (4 + e)sbV/t"
+                                     if layout.tp > 1 and model.loss == "lslm" else
+                                     "the loss's two fp32 input gradients 8sbV/t"),
                    "backward": "nothing more",
                    "replay": "one layer replayed (its bytes without recompute and its weight copies)"}[peak])
     return AutocastActivations(moments[peak], formula, moments, caller * sbv if last else 0.0)
