@@ -130,19 +130,19 @@ def microbatch_times(model: ModelSpec, layout: Layout, cal: GpuCalibration, laye
     attn = 3.5 * 2 * model.micro_batch * model.seq_len ** 2 * model.hidden / (t * c) / (
         cal.attention_efficiency(model.seq_len / c, model.head_dim) * peak)
     per_token, loss_per_token = elementwise_bytes(model, layout)
-    fwd_ew = tokens * per_token / cal.hbm_Bps
-    if layout.mixed == "autocast":
-        if model.kernels == "torchtitan":
+    bwd_cast = 0.0
+    if model.kernels == "torchtitan":
+        if layout.mixed == "autocast":
             raise ValueError("ModelSpec.kernels='torchtitan' counts torchtitan's bf16 block (FSDP2's mixed "
                              "precision): use Layout(mixed='masters') with it")
-        fwd_ew += 6 * layer_linear_params(model, t) / cal.hbm_Bps  # the weights' half copies
-        bwd_cast = 6 * layer_linear_params(model, t) / cal.hbm_Bps  # half weight gradients to fp32
-    else:
-        bwd_cast = 0.0
-    bwd_ew = 2 * fwd_ew  # the fused count: each pass's backward reads and writes twice its forward's bytes
-    if model.kernels == "torchtitan":
         fwd_b, bwd_b = torchtitan_layer_bytes(model, layout)
         fwd_ew, bwd_ew = tokens * fwd_b / cal.hbm_Bps, tokens * bwd_b / cal.hbm_Bps
+    else:
+        fwd_ew = tokens * per_token / cal.hbm_Bps
+        if layout.mixed == "autocast":
+            fwd_ew += 6 * layer_linear_params(model, t) / cal.hbm_Bps  # the weights' half copies
+            bwd_cast = 6 * layer_linear_params(model, t) / cal.hbm_Bps  # half weight gradients to fp32
+        bwd_ew = 2 * fwd_ew  # the fused count: each pass's backward reads and writes twice its forward's bytes
     recompute_gemm = fwd_gemm if layout.recompute == "full" else 0.0
     if layout.recompute == "op":  # the matmuls whose outputs torchtitan's policy does not keep
         recompute_gemm = sum(2 * tokens * n * k / (cal.gemm_efficiency(kind, tokens, n, k) * peak)
