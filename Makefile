@@ -9,7 +9,8 @@
 #   make test-portability  the numerically sensitive tests under each ATEN_CPU_CAPABILITY the CPU has
 #   make gpu-check  on a machine with GPUs: the CUDA tests, NCCL test cases, every recipe on CUDA, lslm doctor and
 #                 calibration measurements, in under five minutes, into bench/results/gpu/<gpu>_<date>.json
-#                 (lslm.bench.gpu_check); without a GPU it says so and exits 0
+#                 (lslm.bench.gpu_check); without a GPU it says so and exits 0;
+#                 GPU_CHECK_ARGS="--only calibrate:recompute" runs only the steps named
 #
 # Variables (override on the command line, e.g. `make lab PORT=9999`):
 #   PYTHON       interpreter used to create .venv (Python >= 3.10)
@@ -20,6 +21,7 @@
 #   DEEPSPEED    the DeepSpeed requirement, installed after torch (must match pyproject.toml's pin)
 #   PORT         JupyterLab port;  LAB_ARGS  extra `jupyter lab` arguments
 #   PYTEST_ARGS  extra pytest arguments (e.g. PYTEST_ARGS="tests/test_grid.py -x")
+#   GPU_CHECK_ARGS  extra `lslm gpu-check` arguments (e.g. GPU_CHECK_ARGS="--only calibrate:recompute")
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -32,6 +34,7 @@ PORT ?= 8888
 DEEPSPEED ?= deepspeed==0.19.8
 LAB_ARGS ?=
 PYTEST_ARGS ?=
+GPU_CHECK_ARGS ?=
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.lslm-installed
@@ -95,7 +98,7 @@ doctor: setup
 
 # Runs from the repository root (the test steps need tests/); `lslm gpu-check --dry-run` shows the plan anywhere.
 gpu-check: setup
-	$(BIN)/lslm gpu-check
+	$(BIN)/lslm gpu-check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "gpu-check":
         from lslm.bench import gpu_check
 
-        return gpu_check.run(ns)
+        return gpu_check.run(ns, commands["gpu-check"])
     if ns.command == "doctor":
         if ns.nproc < 1:
             commands["doctor"].error(f"--nproc must be >= 1, got {ns.nproc}")

@@ -27,6 +27,10 @@ SHARED_FIELDS = {
             "params", "step_s", "tokens_per_s", "mfu", "mem_states_bytes", "mem_peak_bytes", "mem_activation_bytes",
             "reserved_bytes"},
 }
+#: the recomputation runs (``rows`` of ../shared/gpu/h200_recompute_2026-11-28.json), plus the dtypes they ran in
+RECOMPUTE_FIELDS = {"n_layer", "n_embd", "n_head", "micro_batch", "seq", "vocab", "recompute", "params",
+                    "mem_states_bytes", "mem_peak_bytes", "mem_activation_bytes", "step_s", "matmul_flops_by_dtype",
+                    "attention_calls_by_dtype"}
 
 
 def _pretend_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,7 +60,7 @@ def test_dry_run_lists_every_step_and_writes_the_json(monkeypatch: pytest.Monkey
     names = [s["name"] for s in record["steps"]]
     want = (["tests:cuda", "tests:nccl"] + [f"recipe:{n}" for n, _, _ in gpu_check.RECIPES_AT_ONE]
             + ["recipe:ddp-bucketed-x2", "doctor", "calibrate:gemm", "calibrate:attention", "calibrate:adamw",
-               "calibrate:gpt"])
+               "calibrate:gpt", "calibrate:recompute"])
     assert names == want
     for step in record["steps"]:
         assert step["name"] in printed and step["command"] in printed
@@ -73,6 +77,42 @@ def test_dry_run_lists_every_step_and_writes_the_json(monkeypatch: pytest.Monkey
     assert all(row["tflops"] > 0 for row in record["gemm"] + record["attention"])
     assert record["gpt"][0]["mem_peak_bytes"] is None  # the CPU has no allocator statistics
     assert record["gpt"][0]["mfu"] is None  # no peak for a CPU
+    runs = record["recompute"]
+    assert [r["recompute"] for r in runs] == ["none", "selective", "full"]
+    assert all(RECOMPUTE_FIELDS <= set(r) for r in runs)
+    assert all(set(r["matmul_flops_by_dtype"]) == {"bfloat16"} for r in runs)  # replays under the forward's autocast
+    none, _, full = (r["matmul_flops_by_dtype"]["bfloat16"] for r in runs)
+    assert full > none  # the replayed forward's matmuls
+
+
+def test_only_runs_the_steps_named_and_says_so_in_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    forbid_cuda_from_lslm(monkeypatch)
+    assert gpu_check.main(["--dry-run", "--only", "calibrate:recompute", "--out", str(tmp_path)]) == 0
+    [path] = tmp_path.iterdir()
+    assert path.name.endswith("_calibrate-recompute.json")
+    record = json.loads(path.read_text())
+    assert [s["name"] for s in record["steps"]] == ["calibrate:recompute"] and record["only"] == ["calibrate:recompute"]
+    assert "gemm" not in record and len(record["recompute"]) == 3
+    steps = gpu_check.plan_steps(2, None)
+    assert [s.name for s in gpu_check.select_steps(steps, ["calibrate"])] == [
+        f"calibrate:{p}" for p in gpu_check.CALIBRATIONS]
+    assert gpu_check.select_steps(steps, []) == steps
+    _pretend_no_gpu(monkeypatch)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:  # a misspelt step is a usage error, even where nothing would run
+        lslm_main(["gpu-check", "--only", "calibrate:recompte"])
+    assert exit_.value.code == 2 and "no such step" in capsys.readouterr().err
+
+
+def test_a_recompute_run_in_fp32_fails_its_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lslm.bench import calibrate
+
+    runs = [{"name": "x", "recompute": "full", "matmul_flops_by_dtype": {"bfloat16": 1, "float32": 3}}]
+    monkeypatch.setattr(calibrate, "gpt_recompute", lambda *a, **k: runs)
+    step, record = gpu_check.Step("calibrate:recompute"), {}
+    gpu_check._calibrate(step, torch.device("cpu"), calibrate.SIZES["tiny"], None, record)
+    assert step.ok is False and "x full: matmuls ran in float32" in step.output_tail and record["recompute"] == runs
 
 
 def test_step_runner_records_pass_fail_and_timeouts(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from lslm.plan.memory import stage_params
 from lslm.plan.model import ModelSpec
 from lslm.plan.published import PUBLISHED_TOLERANCE, validate_published
 from lslm.plan.validate_gpu import GPU_TIME_TOLERANCE, validate_gpu
-from lslm.plan.validate_memory import MEMORY_TOLERANCE, load_gpu_rows, reserved_ratio_range
+from lslm.plan.validate_memory import MEMORY_TOLERANCE, load_gpu_rows, recompute_rows, reserved_ratio_range
 
 GPU = Path(__file__).resolve().parents[1] / "bench" / "results" / "gpu"
 
@@ -53,6 +53,28 @@ def test_single_gpu_step_times_and_peaks_are_what_the_module_reports():
     assert sum(not r["in_target"] for r in rows) == 2
 
 
+def test_recompute_runs_that_recorded_their_dtypes_are_judged_by_them():
+    """A gpu-check record (lslm.bench.calibrate.gpt_recompute) carries the dtypes its replays ran in: a full run
+    whose matmuls were all bf16 is in the target; one with fp32 flops is out, with the share it recorded."""
+    shared = json.loads((GPU / "h200_recompute_2026-11-28.json").read_text())
+    def record(dtypes):
+        runs = [dict(r, matmul_flops_by_dtype=dtypes, attention_calls_by_dtype={"bfloat16": 1}) for r in shared["rows"]]
+        return {"device": "NVIDIA H200", "recompute": runs + [{"name": "oom", "recompute": "full", "error": "OOM"}]}
+    runs = [dict(r, source="recompute") for r in recompute_rows(record({"bfloat16": 3}))]
+    assert len(runs) == 6  # the failed run is left out
+    rows = validate_gpu(runs)
+    assert all(r["in_target"] and r["floor_ms"] is None and r["outside"] is None for r in rows)
+    fp32 = validate_gpu([dict(r, source="recompute") for r in recompute_rows(record({"bfloat16": 1, "float32": 3}))])
+    assert [r["in_target"] for r in fp32] == [True, True, False] * 2  # only the full runs replay
+    assert all("75% of its matmul flops ran in fp32" in r["outside"] for r in fp32 if not r["in_target"])
+    old = validate_gpu(load_gpu_rows(GPU))  # the committed file recorded nothing: measured before the fix
+    assert all("before replays re-entered autocast" in r["outside"] for r in old if not r["in_target"])
+    with pytest.raises(ValueError, match="measured on 'NVIDIA A100"):
+        recompute_rows({"device": "NVIDIA A100-SXM4-80GB", "rows": []})
+    with pytest.raises(ValueError, match="no recomputation runs"):
+        recompute_rows({"device": "NVIDIA H200", "gpt": []})
+
+
 H100_8 = "torchtitan h100_202412 Table 1, 8B FSDP, 8 GPUs"
 H100_128 = "torchtitan h100_202412 Table 3, 8B FSDP, 128 GPUs"
 A100_70B_OP = "torchtitan performance.md, Llama 2 70B, 64 A100, op AC"
@@ -69,7 +91,7 @@ def test_published_runs_errors_and_verdicts(published):
         assert r["error"] == pytest.approx(r["predicted_s"] / r["published_s"] - 1)
     target = [r for r in published if r["in_target"]]
     assert len(target) == 17
-    assert all(r["fits"] for r in target)  # each was trained
+    assert all(r["fits"] for r in published)  # each was trained
     assert all(abs(r["error"]) <= PUBLISHED_TOLERANCE for r in target), [
         (r["source"], r["error"]) for r in target if abs(r["error"]) > PUBLISHED_TOLERANCE]
     outside = {r["source"]: r for r in published if not r["in_target"]}

@@ -1,6 +1,6 @@
 """Calibration measurements of one device: what the calculator's presets and the course's GPU claims rest on.
 
-Four parts, each a list of rows whose field names are those of the shared H200 file
+Five parts, each a list of rows whose field names are those of the shared H200 file
 (``../shared/gpu/h200_2026-11-28.json``), so one reader takes both:
 
 * ``gemm``: bf16 ``a @ w.t()`` for a transformer layer's four GEMMs (``qkv``, ``proj``, ``fc1``, ``fc2``):
@@ -14,7 +14,12 @@ Four parts, each a list of rows whose field names are those of the shared H200 f
   ``6·N·tokens + 6·L·h·s²·B`` by :func:`lslm.metrics.flops.gpt_step_flops`, ``N`` the matmul weights, head
   included, embedding lookups not; over ``peak_bf16_dense``) and allocator bytes on CUDA
   (``mem_states_bytes`` before the forward, ``mem_peak_bytes`` during forward + backward, their difference
-  ``mem_activation_bytes``, ``reserved_bytes``; None on the CPU).
+  ``mem_activation_bytes``, ``reserved_bytes``, and ``mem_start_bytes``: allocated before the model is built, what
+  earlier runs left; None on the CPU);
+* ``recompute`` (:func:`gpt_recompute`): the same GPT at 407M and 1.4B parameters (micro-batch 8) with
+  ``apply_recompute`` ``none`` / ``selective`` / ``full``, the ``gpt`` fields plus ``recompute`` and the dtypes its
+  matmuls and attention ran in (``matmul_flops_by_dtype``, ``attention_calls_by_dtype``): the runs of the shared
+  ``h200_recompute_2026-11-28.json``, measured again with replays under the forward's autocast.
 
 Every time is a median over repeats after warm-ups, timed with CUDA events on a GPU (the stream's own
 time, not the host's queueing) and ``perf_counter`` on the CPU, where ops are synchronous and
@@ -24,6 +29,7 @@ time, not the host's queueing) and ``perf_counter`` on the CPU, where ops are sy
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -34,7 +40,8 @@ import torch.nn.functional as F
 
 from lslm.metrics.flops import DEVICE_PEAKS, gpt_step_flops, peak_for
 
-__all__ = ["PEAK_BF16_DENSE", "SIZES", "adamw", "attention", "gemm", "gpt", "peak_flops", "time_median"]
+__all__ = ["PEAK_BF16_DENSE", "SIZES", "adamw", "attention", "gemm", "gpt", "gpt_recompute", "peak_flops",
+           "time_median"]
 
 #: Dense bf16 peak by GPU name: :data:`lslm.metrics.flops.DEVICE_PEAKS`' bf16 column (vendor datasheets, no
 #: sparsity), the MFU denominators. Unknown GPU: MFU is None.
@@ -47,12 +54,15 @@ SIZES: dict[str, dict[str, Any]] = {
             "adamw": {"params": (25_000_000, 100_000_000)},
             "gpt": [{"name": "124M", "n_layer": 12, "n_embd": 768, "n_head": 12, "micro_batch": 4},
                     {"name": "350M", "n_layer": 24, "n_embd": 1024, "n_head": 16, "micro_batch": 4}],
-            "gpt_seq": 2048, "gpt_vocab": 50304, "repeats": 10},
+            "recompute": [{"name": "407M", "n_layer": 24, "n_embd": 1024, "n_head": 16, "micro_batch": 8},
+                          {"name": "1.4B", "n_layer": 24, "n_embd": 2048, "n_head": 16, "micro_batch": 8}],
+            "gpt_seq": 2048, "gpt_vocab": 50304, "repeats": 10, "recompute_repeats": 5},
     "tiny": {"gemm": {"tokens": (64,), "hidden": (32,)},
              "attention": {"head_dim": (16,), "seq": (64,), "tokens": 128},
              "adamw": {"params": (10_000,)},
              "gpt": [{"name": "tiny", "n_layer": 1, "n_embd": 32, "n_head": 2, "micro_batch": 2}],
-             "gpt_seq": 32, "gpt_vocab": 256, "repeats": 2},
+             "recompute": [{"name": "tiny", "n_layer": 2, "n_embd": 32, "n_head": 2, "micro_batch": 2}],
+             "gpt_seq": 32, "gpt_vocab": 256, "repeats": 2, "recompute_repeats": 2},
 }
 
 
@@ -150,30 +160,50 @@ def gpt(device: torch.device, sizes: dict[str, Any], peak: float | None, repeats
 
     A size that fails (out of memory on a small GPU) gives a row with ``error`` instead of stopping the rest.
     """
-    from lslm.models.gpt import GPT, GPTConfig
-
     seq, vocab = sizes["gpt_seq"], sizes["gpt_vocab"]
-    out = []
-    for spec in sizes["gpt"]:
-        row: dict[str, Any] = {"name": spec["name"], "n_layer": spec["n_layer"], "n_embd": spec["n_embd"],
-                               "n_head": spec["n_head"], "seq": seq, "micro_batch": spec["micro_batch"],
-                               "vocab": vocab, "compiled": False}
-        try:
-            row.update(_gpt_one(device, spec, seq, vocab, peak, repeats, GPT, GPTConfig))
-        except (RuntimeError, ValueError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        out.append(row)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the next size starts from an empty cache, as its memory figures assume
-    return out
+    return [_gpt_row(device, spec, seq, vocab, peak, repeats, "none") for spec in sizes["gpt"]]
+
+
+def gpt_recompute(device: torch.device, sizes: dict[str, Any], peak: float | None,
+                  repeats: int = 5) -> list[dict[str, Any]]:
+    """lslm's GPT at each size of ``sizes["recompute"]`` with ``apply_recompute(model, mode)`` for ``none``,
+    ``selective`` and ``full``: the :func:`gpt` row's fields (under the shared recompute file's names, with
+    ``recompute`` the mode), and ``matmul_flops_by_dtype`` / ``attention_calls_by_dtype``: one untimed step under
+    :class:`lslm.metrics.compute_dtypes.ComputeDtypes`, so each row says in which precision its replays ran
+    (all ``bfloat16`` under autocast; ``float32`` flops are a replay outside the forward's autocast)."""
+    seq, vocab = sizes["gpt_seq"], sizes["gpt_vocab"]
+    return [_gpt_row(device, spec, seq, vocab, peak, repeats, mode, probe_dtypes=True)
+            for spec in sizes["recompute"] for mode in ("none", "selective", "full")]
+
+
+def _gpt_row(device: torch.device, spec: dict[str, Any], seq: int, vocab: int, peak: float | None, repeats: int,
+             recompute: str, probe_dtypes: bool = False) -> dict[str, Any]:
+    row: dict[str, Any] = {"name": spec["name"], "n_layer": spec["n_layer"], "n_embd": spec["n_embd"],
+                           "n_head": spec["n_head"], "seq": seq, "micro_batch": spec["micro_batch"],
+                           "vocab": vocab, "compiled": False, "recompute": recompute}
+    try:
+        row.update(_gpt_one(device, spec, seq, vocab, peak, repeats, recompute, probe_dtypes))
+    except (RuntimeError, ValueError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    gc.collect()  # a recomputed model holds itself in a cycle (block -> replaced forward -> block): free it now
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the next run starts from an empty cache, as its memory figures assume
+    return row
 
 
 def _gpt_one(device: torch.device, spec: dict[str, Any], seq: int, vocab: int, peak: float | None, repeats: int,
-             gpt_cls: Any, cfg_cls: Any) -> dict[str, Any]:
+             recompute: str, probe_dtypes: bool) -> dict[str, Any]:
+    from lslm.metrics.compute_dtypes import ComputeDtypes
+    from lslm.models.gpt import GPT, GPTConfig
+    from lslm.tensor_parallel.recompute import apply_recompute
+
     L, h, batch = spec["n_layer"], spec["n_embd"], spec["micro_batch"]
+    start = _memory(device, "allocated")  # what earlier runs left allocated (0 when each freed its own)
     torch.manual_seed(0)
-    model = gpt_cls(cfg_cls(vocab_size=vocab, block_size=seq, n_layer=L, n_head=spec["n_head"], n_embd=h,
-                            tie_weights=False)).to(device)
+    with torch.device(device):  # built where it trains: a 1.4B model initialised on the host takes seconds
+        model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=L, n_head=spec["n_head"], n_embd=h,
+                              tie_weights=False))
+    apply_recompute(model, recompute)
     n = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     idx = torch.randint(0, vocab, (batch, seq), device=device)
@@ -186,6 +216,11 @@ def _gpt_one(device: torch.device, spec: dict[str, Any], seq: int, vocab: int, p
         opt.zero_grad(set_to_none=True)
 
     first = time_median(step, device, warmup=0, repeats=1)  # allocations, kernel selection: reported apart
+    probe: dict[str, Any] = {}
+    if probe_dtypes:  # an untimed step (the dispatch mode's Python call per op would skew the timed ones)
+        with ComputeDtypes() as dtypes:
+            step()
+        probe = {"matmul_flops_by_dtype": dtypes.matmul_flops, "attention_calls_by_dtype": dtypes.attention_calls}
     before = _memory(device, "allocated")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -195,4 +230,4 @@ def _gpt_one(device: torch.device, spec: dict[str, Any], seq: int, vocab: int, p
     return {"params": n, "first_step_s": first, "step_s": s, "tokens_per_s": batch * seq / s,
             "mfu": flops / s / peak if peak else None, "mem_states_bytes": before, "mem_peak_bytes": peak_bytes,
             "mem_activation_bytes": None if before is None else peak_bytes - before,
-            "reserved_bytes": _memory(device, "reserved")}
+            "reserved_bytes": _memory(device, "reserved"), "mem_start_bytes": start, **probe}

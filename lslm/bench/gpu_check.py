@@ -9,7 +9,12 @@ On a machine with one or more CUDA GPUs it runs, in order, each step with its ow
    silently): the serial baseline, DDP bucketed and torch, fp16 and bf16, ZeRO stages 1 and 3, TP,
    pipeline and 3D at size 1; with N >= 2 GPUs also bucketed DDP at ``--nproc N``;
 4. ``lslm doctor`` (its 2-process smoke job: NCCL with two GPUs, CPU + gloo with one);
-5. the calibration measurements of :mod:`lslm.bench.calibrate` (GEMM, flash attention, AdamW, the course GPT).
+5. the calibration measurements of :mod:`lslm.bench.calibrate` (GEMM, flash attention, AdamW, the course GPT, and
+   the course GPT under each recomputation mode, with the dtype its replays' matmuls ran in: the step fails when
+   any ran in fp32 under autocast).
+
+``--only`` runs a subset (``--only calibrate:recompute``: the recomputation runs alone, about a minute on an H200,
+for a GPU lent for a few minutes); the file's name then ends in the steps chosen.
 
 It writes one JSON, ``<out>/gpu-check_<gpu>_<YYYY-MM-DD>.json`` (default ``bench/results/gpu/``, e.g.
 ``gpu-check_h200_2026-12-01.json``; the prefix keeps it from overwriting the calibration data committed beside it
@@ -41,7 +46,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CUDA_TESTS", "NCCL_TESTS", "RECIPES_AT_ONE", "Step", "gpu_slug", "main", "plan_steps", "run_check"]
+__all__ = ["CALIBRATIONS", "CUDA_TESTS", "NCCL_TESTS", "RECIPES_AT_ONE", "Step", "gpu_slug", "main", "plan_steps",
+           "run_check", "select_steps"]
 
 #: tests with a CUDA branch that run in one process (allocator figures, event timers, device rules, models)
 CUDA_TESTS = ("tests/test_memory.py", "tests/test_backend.py", "tests/test_harness.py", "tests/test_models.py",
@@ -67,6 +73,8 @@ RECIPES_AT_ONE: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("three_d", "lslm.recipes.three_d", ("--tp", "1", "--pp", "1")),
 )
 RECIPE_STEPS = 5
+#: the in-process calibration parts (:mod:`lslm.bench.calibrate`), in order
+CALIBRATIONS = ("gemm", "attention", "adamw", "gpt", "recompute")
 
 
 @dataclass
@@ -86,7 +94,8 @@ class Step:
     def command(self) -> str:
         """The step as one shell-readable line (``python`` for this interpreter)."""
         if not self.argv:
-            return f"(in process) lslm.bench.calibrate.{self.name.split(':', 1)[1]}"
+            part = self.name.split(":", 1)[1]
+            return f"(in process) lslm.bench.calibrate.{'gpt_recompute' if part == 'recompute' else part}"
         return " ".join(["python", *self.argv[1:]] if self.argv[0] == sys.executable else self.argv)
 
 
@@ -135,8 +144,20 @@ def plan_steps(n_gpus: int, root: Path | None) -> list[Step]:
         steps.append(Step(f"recipe:ddp-bucketed-x{n_gpus}",
                           _recipe_argv("lslm.recipes.ddp", ("--batch-size", str(8 * n_gpus)), n_gpus), 120))
     steps.append(Step("doctor", [py, "-m", "lslm.cli", "doctor"], timeout_s=120))
-    steps += [Step(f"calibrate:{part}", timeout_s=0) for part in ("gemm", "attention", "adamw", "gpt")]
+    steps += [Step(f"calibrate:{part}", timeout_s=0) for part in CALIBRATIONS]
     return steps
+
+
+def select_steps(steps: list[Step], only: Sequence[str]) -> list[Step]:
+    """The steps named in ``only`` (a whole name, e.g. ``calibrate:recompute``, or the part before its colon,
+    e.g. ``calibrate``), in plan order; ``only`` empty: every step. ValueError naming the choices otherwise."""
+    if not only:
+        return steps
+    unknown = [o for o in only if not any(s.name == o or s.name.split(":", 1)[0] == o for s in steps)]
+    if unknown:
+        raise ValueError(f"--only {','.join(unknown)}: no such step; choose among "
+                         f"{', '.join(s.name for s in steps)} (or a prefix before the colon)")
+    return [s for s in steps if s.name in only or s.name.split(":", 1)[0] in only]
 
 
 def _run_command(step: Step, root: Path) -> None:
@@ -164,9 +185,17 @@ def _calibrate(step: Step, device: torch.device, sizes: dict[str, Any], peak: fl
     try:
         if part == "gpt":
             record[part] = calibrate.gpt(device, sizes, peak, repeats=sizes["repeats"])
+        elif part == "recompute":
+            record[part] = calibrate.gpt_recompute(device, sizes, peak, repeats=sizes["recompute_repeats"])
         else:
             record[part] = getattr(calibrate, part)(device, sizes[part], repeats=sizes["repeats"])
-        step.ok = not any("error" in row for row in record[part])
+        errors = [row["error"] for row in record[part] if "error" in row]
+        # a replay outside the forward's autocast runs its matmuls in fp32: the run would time the wrong thing
+        fp32 = [f"{row['name']} {row['recompute']}" for row in record[part]
+                if row.get("matmul_flops_by_dtype", {}).get("float32")]
+        step.ok = not errors and not fp32
+        if not step.ok:
+            step.output_tail = "; ".join(errors + [f"{r}: matmuls ran in float32 under autocast" for r in fp32])
     except Exception as exc:  # noqa: BLE001 - one failed part is recorded; the others still run
         record[part] = f"FAILED: {type(exc).__name__}: {exc}"
         step.ok, step.output_tail = False, record[part]
@@ -184,8 +213,9 @@ def _machine(device: torch.device) -> dict[str, Any]:
 
 
 def run_check(out_dir: str | Path, *, dry_run: bool = False, root: Path | None = None,
-              date: datetime.date | None = None) -> tuple[Path, dict[str, Any]]:
+              date: datetime.date | None = None, only: Sequence[str] = ()) -> tuple[Path, dict[str, Any]]:
     """Plan and run the check (``dry_run``: plan only, calibrations tiny on the CPU); write and return the JSON.
+    ``only``: run just these steps (:func:`select_steps`); the file's name then ends in them.
 
     Needs a GPU unless ``dry_run`` (ValueError otherwise: :func:`main` checks first).
     """
@@ -200,7 +230,8 @@ def run_check(out_dir: str | Path, *, dry_run: bool = False, root: Path | None =
                               "dry_run": dry_run}
     peak = None if dry_run else peak_flops(record["device"])
     record["peak_bf16_dense"] = peak
-    steps = plan_steps(gpus if not dry_run else 2, root)  # the dry run plans for two GPUs: every step shows
+    steps = select_steps(plan_steps(gpus if not dry_run else 2, root), only)  # a dry run plans for two GPUs
+    record["only"] = list(only)
     sizes = SIZES["tiny" if dry_run else "gpu"]
     total = time.perf_counter()
     for i, step in enumerate(steps, 1):
@@ -220,7 +251,8 @@ def run_check(out_dir: str | Path, *, dry_run: bool = False, root: Path | None =
         del s["argv"]
     record["passed"] = all(s.ok is not False for s in steps)
     name = "dry-run" if dry_run else gpu_slug(record["device"])
-    path = Path(out_dir) / f"gpu-check_{name}_{record['date']}.json"
+    part = "".join("_" + re.sub(r"[^a-z0-9]+", "-", o.lower()) for o in only)
+    path = Path(out_dir) / f"gpu-check_{name}_{record['date']}{part}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path, record
@@ -236,18 +268,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``lslm gpu-check``'s options."""
     parser.add_argument("--dry-run", action="store_true",
                         help="any machine: list every step with its command and run the calibrations tiny on the CPU")
+    parser.add_argument("--only", default="",
+                        help="comma-separated steps to run (e.g. calibrate:recompute, or calibrate for every "
+                             "calibration); default every step")
     parser.add_argument("--out", default=None,
                         help="folder of the JSON (default: bench/results/gpu, or runs/gpu-check for --dry-run)")
 
 
-def run(ns: argparse.Namespace) -> int:
-    """Run ``lslm gpu-check`` from parsed options; the exit status (0 without a GPU: nothing to check)."""
+def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run ``lslm gpu-check`` from parsed options; the exit status (0 without a GPU: nothing to check; a bad
+    ``--only`` is ``parser``'s usage error, on any machine)."""
+    only = [o.strip() for o in ns.only.split(",") if o.strip()]
+    try:
+        select_steps(plan_steps(2, _repo_root()), only)
+    except ValueError as exc:
+        parser.error(str(exc))
     if not ns.dry_run and not torch.cuda.is_available():  # the only CUDA call on a machine without a GPU
         print("lslm gpu-check needs a CUDA GPU and this machine has none: nothing to check (exit 0). "
               "`lslm gpu-check --dry-run` shows the plan and runs the calibration code on the CPU.")
         return 0
     out = ns.out or ("runs/gpu-check" if ns.dry_run else "bench/results/gpu")
-    path, record = run_check(out, dry_run=ns.dry_run)
+    path, record = run_check(out, dry_run=ns.dry_run, only=only)
     failed = [s["name"] for s in record["steps"] if s["ok"] is False]
     print(f"lslm gpu-check: {'FAIL (' + ', '.join(failed) + ')' if failed else 'OK'} in {record['total_s']:.0f} s; "
           f"wrote {path}")
@@ -255,10 +296,10 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m lslm.bench.gpu_check [--dry-run] [--out DIR]``."""
+    """``python -m lslm.bench.gpu_check [--dry-run] [--only STEPS] [--out DIR]``."""
     parser = argparse.ArgumentParser(prog="lslm gpu-check", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run(parser.parse_args(argv), parser)
 
 
 if __name__ == "__main__":

@@ -299,9 +299,9 @@ def validate_published(runs: tuple[PublishedRun, ...] = PUBLISHED) -> list[dict[
 
 def format_published(rows: list[dict[str, Any]], tolerance: float = PUBLISHED_TOLERANCE,
                      slack: tuple[float, float] | None = None) -> str:
-    """The rows side by side (a row outside the target with its reason under it); the last line counts the
-    in-target rows within ``tolerance`` and the fits verdicts. ``slack``: the (least, most) ratio of the caching
-    allocator's reserved bytes to its allocated peak measured elsewhere
+    """The rows side by side (a row outside the target with its reason under it); the last line counts every row
+    within ``tolerance`` (the outside ones included, so none is hidden) and the fits verdicts. ``slack``: the
+    (least, most) ratio of the caching allocator's reserved bytes to its allocated peak measured elsewhere
     (:func:`lslm.plan.validate_memory.reserved_ratio_range`); where given, a reported peak (torchtitan's
     ``max_reserved_gib``) is set beside the predicted tensor bytes times that range, no constant fitted to it."""
     lines = [f"{'published run':<58}{'reported':>32}{'step s':>9}{'pred s':>9}{'error':>8}  fits  peak GB"]
@@ -323,10 +323,9 @@ def format_published(rows: list[dict[str, Any]], tolerance: float = PUBLISHED_TO
                          + ("" if w["fits"] else ", does NOT fit"))
         if not r["in_target"]:
             lines.append(f"    - outside the target: {r['outside']}")
-    target = [r for r in rows if r["in_target"]]
-    within = sum(abs(r["error"]) <= tolerance for r in target)
-    fits = sum(r["fits"] for r in target)
-    lines.append(f"(* beyond {tolerance:.0%}) {within} of {len(target)} runs in the target within {tolerance:.0%}; "
-                 f"{fits} of {len(target)} fit (all were trained); {len(rows) - len(target)} outside the target "
-                 "(- : the reason under each)")
+    within = sum(abs(r["error"]) <= tolerance for r in rows)
+    outside = len(rows) - sum(r["in_target"] for r in rows)
+    lines.append(f"(* beyond {tolerance:.0%}) {within} of {len(rows)} published runs within {tolerance:.0%}"
+                 + (f", {outside} outside the target for the reason under it (-)" if outside else "")
+                 + f"; {sum(r['fits'] for r in rows)} of {len(rows)} fit (all were trained)")
     return "\n".join(lines)

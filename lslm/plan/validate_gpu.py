@@ -44,7 +44,7 @@ from lslm.plan.timing import layer_forward_flops
 from lslm.plan.validate_memory import _spec, validate_memory
 
 __all__ = ["BREAKDOWN_FILE", "GPU_TIME_TOLERANCE", "breakdown", "format_breakdown", "format_gpu_validation",
-           "fp32_replay_floor", "validate_gpu"]
+           "fp32_replay_floor", "replay_in_bf16", "validate_gpu"]
 
 BREAKDOWN_FILE = "h200_breakdown_2026-11-28.json"
 
@@ -63,10 +63,32 @@ def fp32_replay_floor(spec: ModelSpec, hw: Hardware) -> float:
     return bf16 - (layers.gemm * 2 / 3 + layers.attention * 2.5 / 3.5) + fp32_flops / hw.flops("fp32")
 
 
+def replay_in_bf16(run: dict[str, Any]) -> bool | None:
+    """Whether a run's recomputation replayed its matmuls in bf16: None for a run with nothing to replay (no
+    recomputation, or selective: the attention core, which flash attention keeps in its input's dtype); for a
+    full-recomputation run, what it recorded (``matmul_flops_by_dtype`` of :func:`lslm.bench.calibrate.gpt_recompute`:
+    no fp32 flops), and False for a run that recorded nothing: the 2026-11-28 file, measured before the replays
+    re-entered the forward's autocast (module doc)."""
+    if run["recompute"] != "full":
+        return None
+    flops = run.get("matmul_flops_by_dtype")
+    return bool(flops) and not flops.get("float32")
+
+
+def _outside(run: dict[str, Any]) -> str | None:
+    if replay_in_bf16(run) is not False:
+        return None
+    flops = run.get("matmul_flops_by_dtype")
+    if not flops:
+        return "replay and its backward ran in fp32 (before replays re-entered autocast)"
+    return f"{flops['float32'] / sum(flops.values()):.0%} of its matmul flops ran in fp32 (recorded)"
+
+
 def validate_gpu(rows: list[dict[str, Any]], hardware: Hardware | None = None) -> list[dict[str, Any]]:
     """One row per run (:func:`~lslm.plan.validate_memory.load_gpu_rows`): ``source``, ``config``,
     ``measured_ms``, ``predicted_ms``, ``error``, ``peak_error`` (memory), ``in_target`` (False for the fp32
-    full-recomputation replays, module doc), ``floor_ms`` (theirs: :func:`fp32_replay_floor`; None for the others)
+    full-recomputation replays, :func:`replay_in_bf16`), ``floor_ms`` (theirs: :func:`fp32_replay_floor`; None for
+    the others)
     and the predicted ``terms_ms``. ``hardware``: default ``h200``."""
     hw = hardware_presets()["h200"] if hardware is None else hardware
     memory = validate_memory(rows)
@@ -76,8 +98,8 @@ def validate_gpu(rows: list[dict[str, Any]], hardware: Hardware | None = None) -
         predicted, measured = est.step_s * 1e3, r["step_s"] * 1e3
         out.append({"source": r["source"], "config": mem["config"], "measured_ms": measured,
                     "predicted_ms": predicted, "error": predicted / measured - 1, "peak_error": mem["peak_error"],
-                    "in_target": r["recompute"] != "full",
-                    "floor_ms": fp32_replay_floor(_spec(r), hw) * 1e3 if r["recompute"] == "full" else None,
+                    "in_target": replay_in_bf16(r) is not False, "outside": _outside(r),
+                    "floor_ms": fp32_replay_floor(_spec(r), hw) * 1e3 if replay_in_bf16(r) is False else None,
                     "terms_ms": {k: t.value * 1e3 for k, t in est.times.items()}})
     return out
 
@@ -86,9 +108,8 @@ def format_gpu_validation(rows: list[dict[str, Any]], tolerance: float = GPU_TIM
     """The rows side by side; the last line is how many in-target runs are within ``tolerance`` and the worst."""
     lines = [f"{'file':<10}{'run':<20}{'measured ms':>12}{'predicted ms':>13}{'error':>8}{'peak mem err':>13}"]
     for r in rows:
-        flag = (f" outside the target: replay and its backward ran in fp32 (before replays re-entered autocast); "
-                f"floor at the fp32 peak {r['floor_ms']:.0f} ms") if not r["in_target"] else (
-            "" if abs(r["error"]) <= tolerance else " *")
+        flag = (f" outside the target: {r['outside']}; floor at the fp32 peak {r['floor_ms']:.0f} ms"
+                if not r["in_target"] else "" if abs(r["error"]) <= tolerance else " *")
         lines.append(f"{r['source']:<10}{r['config']:<20}{r['measured_ms']:>12.1f}{r['predicted_ms']:>13.1f}"
                      f"{r['error']:>+8.1%}{r['peak_error']:>+13.1%}{flag}")
     target = [r for r in rows if r["in_target"]]

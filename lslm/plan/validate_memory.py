@@ -22,7 +22,9 @@ exceed Adam's and the weights' ``12 Ψ`` by 65-122 MiB in the ``gpt`` rows and i
 (the process's own allocations, e.g. cuBLAS workspaces; not modelled), and the recompute file's later runs, made
 one after another in one process, start with 0.45-1.48 GB more than that (450 MiB at 407M full, 453 MiB at
 1.4B none and selective, 1,479 MiB at 1.4B full): allocations left alive by the runs before them, by
-expectation, since the script that measured that file is not committed. No term is added for them. The
+expectation, since the script that measured that file is not committed (its committed successor,
+:func:`lslm.bench.calibrate.gpt_recompute`, frees each run before the next, a recomputed model being a reference
+cycle, and records what was left allocated before each as ``mem_start_bytes``). No term is added for them. The
 allocator's slack: these are allocated bytes (``memory_allocated``, which include the caching allocator's
 rounding of each block to 512 bytes, not counted); what it reserved beyond them (``reserved_bytes`` in the
 ``gpt`` rows: 0.1-5.4 GB over the peak) is fragmentation the calculator leaves to
@@ -43,8 +45,8 @@ from lslm.plan.layout import Layout
 from lslm.plan.memory import stage_memory
 from lslm.plan.model import ModelSpec
 
-__all__ = ["GPU_FILES", "MEMORY_TOLERANCE", "format_memory_validation", "load_gpu_rows", "reserved_ratio_range",
-           "validate_memory"]
+__all__ = ["GPU_FILES", "MEMORY_TOLERANCE", "format_memory_validation", "load_gpu_rows", "recompute_rows",
+           "reserved_ratio_range", "validate_memory"]
 
 GPU_FILES = ("h200_recompute_2026-11-28.json", "h200_2026-11-28.json")
 MEMORY_TOLERANCE = 0.10  #: the issue's target: peak memory within 10 % per run
@@ -60,10 +62,22 @@ def load_gpu_rows(folder: str | Path) -> list[dict[str, Any]]:
                          "(../shared/gpu/) or pass the folder that holds them")
     recompute = json.loads((folder / GPU_FILES[0]).read_text())
     table = json.loads((folder / GPU_FILES[1]).read_text())
-    rows = [dict(r, source="recompute") for r in recompute["rows"]]
+    rows = [dict(r, source="recompute") for r in recompute_rows(recompute, GPU_FILES[0])]
     rows += [dict(r, source="gpt", recompute="none") for r in table["gpt"]
              if not r.get("compiled") and "mem_peak_bytes" in r]
     return rows
+
+
+def recompute_rows(data: dict[str, Any], name: str = "the file") -> list[dict[str, Any]]:
+    """The recomputation runs of one file: ``rows`` of the shared ``h200_recompute_*.json``, or ``recompute`` of a
+    ``lslm gpu-check`` record (:func:`lslm.bench.calibrate.gpt_recompute`, same fields plus the dtypes the replays
+    ran in), runs that failed left out. ValueError unless it was measured on an H200 (the ``h200`` preset's GPU)."""
+    if "H200" not in str(data.get("device", "")):
+        raise ValueError(f"{name} was measured on {data.get('device')!r}; these checks price the h200 preset")
+    runs = data.get("rows", data.get("recompute"))
+    if not isinstance(runs, list):
+        raise ValueError(f"{name} holds no recomputation runs (neither 'rows' nor a gpu-check 'recompute' list)")
+    return [r for r in runs if "error" not in r]
 
 
 def _spec(r: dict[str, Any]) -> ModelSpec:
