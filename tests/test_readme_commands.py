@@ -113,6 +113,9 @@ SKIP = {
     "make doctor": f"runs `lslm doctor`, which tests/test_setup.py runs; {_MAKE_DRY_RUN}",
     "make gpu-check": f"needs a GPU (without one it exits 0 at once); tests/test_gpu_check.py runs its no-GPU exit and "
                       f"its dry run, which this test also runs as written; {_MAKE_DRY_RUN}",
+    'make gpu-check GPU_CHECK_ARGS="--only calibrate:recompute"':
+        f"needs a GPU, as `make gpu-check`; tests/test_gpu_check.py runs `--only calibrate:recompute` as a dry run; "
+        f"{_MAKE_DRY_RUN}",
     "make notebooks": f"re-executes every notebook in place (minutes, rewrites committed files); nbval runs "
                       f"them under `make test`; {_MAKE_DRY_RUN}",
     "make clean": f"deletes the environment this test runs in; {_MAKE_DRY_RUN}",
