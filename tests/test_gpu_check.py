@@ -75,6 +75,10 @@ def test_dry_run_lists_every_step_and_writes_the_json(monkeypatch: pytest.Monkey
     for part, fields in SHARED_FIELDS.items():
         assert record[part] and all(fields <= set(row) for row in record[part]), part
     assert all(row["tflops"] > 0 for row in record["gemm"] + record["attention"])
+    for row in record["gemm"]:  # the GEMM back to back, and its backward's two shapes: flops over time, each
+        for part in ("queued", "dgrad", "wgrad"):
+            assert row[f"tflops_{part}"] == pytest.approx(2 * row["tokens"] * row["n"] * row["k"] / row[f"s_{part}"]
+                                                          / 1e12)
     assert record["gpt"][0]["mem_peak_bytes"] is None  # the CPU has no allocator statistics
     assert record["gpt"][0]["mfu"] is None  # no peak for a CPU
     runs = record["recompute"]

@@ -4,7 +4,9 @@ Five parts, each a list of rows whose field names are those of the shared H200 f
 (``../shared/gpu/h200_2026-11-28.json``), so one reader takes both:
 
 * ``gemm``: bf16 ``a @ w.t()`` for a transformer layer's four GEMMs (``qkv``, ``proj``, ``fc1``, ``fc2``):
-  ``tokens, hidden, gemm, n, k, s, tflops`` (``2·tokens·n·k`` flops);
+  ``tokens, hidden, gemm, n, k, s, tflops`` (``2·tokens·n·k`` flops), and the same GEMM and its two backward
+  GEMMs launched back to back (``s_queued``, ``s_dgrad``, ``s_wgrad`` and their ``tflops_*``): whether a GEMM
+  timed alone reads slower than in a step, and what the backward's shapes run at (:func:`gemm`);
 * ``attention``: ``F.scaled_dot_product_attention``, causal, bf16, forward + backward:
   ``head_dim, seq, batch, heads, s_fwd_bwd, tflops`` (flops ``3.5 x 4·B·H·s²·d / 2``: two forward matmuls,
   backward 2.5x the forward, half of the square under the causal mask);
@@ -99,17 +101,34 @@ def time_median(fn: Callable[[], Any], device: torch.device, *, warmup: int = 2,
     return statistics.median(times)
 
 
+QUEUED_CALLS = 20  #: GEMMs launched back to back per timed call in :func:`gemm`'s ``*_queued`` and backward figures
+
+
 def gemm(device: torch.device, sizes: dict[str, Any], repeats: int = 10) -> list[dict[str, Any]]:
-    """bf16 GEMM throughput of a layer's four shapes at each token count and hidden size."""
+    """bf16 GEMM throughput of a layer's four shapes at each token count and hidden size.
+
+    ``s``/``tflops``: one forward GEMM ``a @ w.t()`` between two events (the shared file's figure: a small GEMM's
+    launch is inside it). The rest are :data:`QUEUED_CALLS` GEMMs launched back to back per timing, divided by that
+    count, as a training step queues them: ``s_queued`` the same forward GEMM, ``s_dgrad`` its input gradient
+    ``g @ w`` (``tokens x n`` by ``n x k``) and ``s_wgrad`` its weight gradient ``g.t() @ a`` (``n x tokens`` by
+    ``tokens x k``: the reduction runs over the tokens), each with its ``tflops_*`` (``2·tokens·n·k`` flops each).
+    """
     out = []
     for tokens in sizes["tokens"]:
         for h in sizes["hidden"]:
             for name, (n, k) in {"qkv": (3 * h, h), "proj": (h, h), "fc1": (4 * h, h), "fc2": (h, 4 * h)}.items():
                 a = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
                 w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+                g = torch.randn(tokens, n, device=device, dtype=torch.bfloat16)
+                flops = 2 * tokens * n * k
                 s = time_median(lambda a=a, w=w: a @ w.t(), device, warmup=3, repeats=repeats)
-                out.append({"tokens": tokens, "hidden": h, "gemm": name, "n": n, "k": k, "s": s,
-                            "tflops": 2 * tokens * n * k / s / 1e12})
+                row = {"tokens": tokens, "hidden": h, "gemm": name, "n": n, "k": k, "s": s, "tflops": flops / s / 1e12}
+                for part, fn in (("queued", lambda a=a, w=w: a @ w.t()), ("dgrad", lambda g=g, w=w: g @ w),
+                                 ("wgrad", lambda g=g, a=a: g.t() @ a)):
+                    t = time_median(lambda fn=fn: [fn() for _ in range(QUEUED_CALLS)], device, warmup=1,
+                                    repeats=max(1, repeats // 2)) / QUEUED_CALLS
+                    row[f"s_{part}"], row[f"tflops_{part}"] = t, flops / t / 1e12
+                out.append(row)
     return out
 
 

@@ -25,7 +25,9 @@ profiled on the same kind of H200, kernel time summed by kind): the model over-p
 reductions: -15 % and -6 %); the optimizer is within 1 %. The GEMM table timed each GEMM alone between two CUDA
 events, launch included, so its small GEMMs read slower than the same shapes queued back to back in a training
 step, and the backward's GEMMs (the weight gradient reduces over all the tokens) are priced at the forward's
-efficiency. No correction is fitted: that would calibrate on the runs this module validates against.
+efficiency. No correction is fitted: that would calibrate on the runs this module validates against. Both
+explanations are measurable: ``lslm gpu-check``'s GEMM step (:func:`lslm.bench.calibrate.gemm`) also times each GEMM
+launched back to back and the backward's two shapes (input and weight gradients); no GPU has run it yet.
 """
 
 from __future__ import annotations
