@@ -313,7 +313,8 @@ def test_estimate_traces_every_number_and_finds_the_bound_axes() -> None:
     wide = estimate(gpt3, Layout(dp=8, tp=16, pp=8, zero=1, sequence_parallel=True, recompute="selective"), H100,
                     1024)
     assert next(v for v in wide.verdicts if v.axis == "tp").comm_bound
-    assert wide.comm["tp"].link == H100.inter and est.comm["tp"].link == H100.intra
+    # its rings hold 8 ranks of each node: 8 adapters' bandwidth, still far below NVLink's
+    assert wide.comm["tp"].link.bandwidth_Bps == 8 * H100.inter.bandwidth_Bps and est.comm["tp"].link == H100.intra
     # Bubble: (p - 1)/(v m) of the compute.
     assert est.times["bubble"].value == pytest.approx(est.times["compute"].value * 7 / 96)
 
@@ -721,3 +722,27 @@ def test_selective_recompute_saves_nothing_where_the_core_keeps_no_scores(option
     found = search(model.with_batch(1, 64), hw, 64, flash_attention=True, fitting_only=False, top=10_000,
                    micro_batches=(1,), virtual_stages=(1,))
     assert found and all(e.layout.recompute != "selective" for e in found)  # dominated: not tried
+
+
+def test_ring_collectives_across_nodes_use_every_adapter_of_a_node() -> None:
+    """A ring collective whose group holds k devices of each node runs k rings, one per network adapter (NCCL's
+    channels): k x one adapter's bandwidth, capped by NVLink; a group with one device per node gets one adapter,
+    and the cpu-box's measured inter-node fit is taken as it is."""
+    hw = hardware_presets()
+    a100 = hw["a100-80gb"]
+    assert a100.link(8) == a100.intra  # one node
+    assert a100.link(64, 8).bandwidth_Bps == 8 * 25e9 and a100.link(64, 1) == a100.inter
+    assert hw["h100-sxm"].link(64, 8).bandwidth_Bps == 400e9  # 8 x 50 GB/s
+    narrow = dataclasses.replace(a100, intra=dataclasses.replace(a100.intra, bandwidth_Bps=150e9))
+    assert narrow.link(64, 8).bandwidth_Bps == 150e9  # capped by the intra-node link the rings also cross
+    assert hw["cpu-box"].link(4, 2) == hw["cpu-box"].inter
+    assert (a100.ranks_per_node(64, 1), a100.ranks_per_node(32, 8), a100.ranks_per_node(8, 2),
+            a100.ranks_per_node(2, 1)) == (8, 1, 4, 2)
+    model = model_presets()["llama3-8b"]
+    fsdp = estimate(model, Layout(dp=64, zero=3, flash_attention=True, precision="bf16"), a100)
+    assert fsdp.comm["dp"].link.bandwidth_Bps == 200e9
+    dp_across_tp = estimate(model, Layout(dp=8, tp=8, sequence_parallel=True, precision="bf16"), a100)
+    assert dp_across_tp.comm["dp"].link.bandwidth_Bps == 25e9  # one rank of each dp group per node
+    one_adapter = dataclasses.replace(a100, adapter_per_device=False)
+    slow = estimate(model, Layout(dp=64, zero=3, flash_attention=True, precision="bf16"), one_adapter)
+    assert slow.comm["dp"].time_s > 6 * fsdp.comm["dp"].time_s  # 8x the bandwidth term, the same latencies

@@ -146,7 +146,7 @@ def _calls(total_bytes: float, bucket_bytes: float) -> tuple[float, float]:
 
 def _dp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> AxisComm:
     n = layout.dp_shard_size * layout.cp
-    link = hw.link(n * layout.tp)
+    link = hw.link(n * layout.tp, hw.ranks_per_node(n, layout.tp))
     width = bytes_per_element(layout)
     layer_part, root = stage_split(model, layout, stage)
     psi = layer_part + root
@@ -189,7 +189,8 @@ def _dp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
         else:
             c, s = _calls(g, bucket)
             calls = [(s / n, c)]
-        across = hw.link(layout.dp * layout.cp * layout.tp)
+        stride = layout.dp_shard_size * layout.cp * layout.tp
+        across = hw.link(layout.dp * layout.cp * layout.tp, hw.ranks_per_node(layout.dp_replicate, stride))
         out += [Collective("dp_replicate", "gradient slice all-reduce across replicas", "all_reduce_ring", size,
                            layout.dp_replicate, count, across, "g·Ψ / N once per step: the slice, summed over the "
                            "shard group, then over the replicas") for size, count in calls]
@@ -198,7 +199,7 @@ def _dp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> A
 
 def _tp(model: ModelSpec, layout: Layout, hw: Hardware, m: int, stage: int) -> AxisComm:
     t = layout.tp
-    link = hw.link(t)
+    link = hw.link(t, hw.ranks_per_node(t, 1))
     e = 4 if layout.precision == "fp32" else 2
     s, b, h = model.seq_len // layout.cp, model.micro_batch, model.hidden
     a = e * s * b * h

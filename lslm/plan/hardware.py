@@ -21,7 +21,7 @@ preset's numbers are calibrated from committed measurements (:mod:`lslm.plan.cal
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lslm.metrics.flops import DEVICE_PEAKS
@@ -137,6 +137,11 @@ class Hardware:
     #: measured efficiencies (GEMMs by shape, attention, AdamW, streaming rate): where set, half-precision compute
     #: is priced operation by operation (:mod:`lslm.plan.calibrated`) instead of at peak x compute_efficiency
     calibration: GpuCalibration | None = None
+    #: each device has its own inter-node adapter and ``inter`` is one adapter's rate: a ring collective whose
+    #: group holds ``k`` devices of each node runs ``k`` rings at once, one through each adapter (NCCL's channels),
+    #: so it moves ``k`` times ``inter``'s bandwidth, at most ``intra``'s (:meth:`link`). False: ``inter`` is
+    #: what any group spanning nodes gets (the ``cpu-box``'s measured 4-process fit)
+    adapter_per_device: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
@@ -183,10 +188,24 @@ class Hardware:
                              f"'{precision}': 1e12}}) or `lslm plan --peak-tflops`")
         return self.peak_flops[precision] * self.compute_efficiency
 
-    def link(self, span: int) -> Link:
+    def link(self, span: int, per_node: int = 1) -> Link:
         """The link a group whose ranks span ``span`` consecutive devices runs at: intra-node if it fits in one
-        node, else the inter-node link (a ring is as slow as its slowest hop)."""
-        return self.intra if span <= self.devices_per_node else self.inter
+        node, else the inter-node link (a ring is as slow as its slowest hop). ``per_node``: how many of the
+        group's ranks share a node, for a ring collective (all-reduce, all-gather, reduce-scatter); with
+        :attr:`adapter_per_device` those ranks' adapters carry ``per_node`` rings at once, so the link's bandwidth
+        is ``per_node`` times the adapter's, at most the intra-node link's. NVIDIA's NCCL team reports 192 GB/s
+        of all-reduce bus bandwidth between DGX A100 nodes of eight 200 Gb/s adapters (NVIDIA/nccl issue 812),
+        about eight adapters' worth; an all-to-all or a point-to-point send gets one adapter (``per_node = 1``)."""
+        if span <= self.devices_per_node:
+            return self.intra
+        if self.adapter_per_device and per_node > 1:
+            bandwidth = min(per_node * self.inter.bandwidth_Bps, self.intra.bandwidth_Bps)
+            return replace(self.inter, bandwidth_Bps=bandwidth)
+        return self.inter
+
+    def ranks_per_node(self, n: int, stride: int) -> int:
+        """How many ranks of a group of ``n``, ``stride`` devices apart, share one node (at least 1)."""
+        return max(1, min(n, self.devices_per_node // stride))
 
 
 def hardware_presets() -> dict[str, Hardware]:
@@ -224,12 +243,15 @@ def hardware_presets() -> dict[str, Hardware]:
     # own peaks and its streaming rates scaled by their datasheet HBM bandwidth over the H200's 4.8 TB/s.
     h100 = Hardware("H100 SXM 80GB", peaks("H100"), hbm_bytes=80 * GiB,
                     devices_per_node=8, intra=Link(5e-6, 450e9), inter=Link(10e-6, 50e9), reserved_bytes=2 * GiB,
+                    adapter_per_device=True,
                     calibration=H200_CALIBRATION.scaled("H100 SXM", peaks("H100")["bf16"], 3.35 / 4.8))
     a100 = Hardware("A100 SXM 80GB", peaks("A100"), hbm_bytes=80 * GiB,
                     devices_per_node=8, intra=Link(5e-6, 300e9), inter=Link(10e-6, 25e9), reserved_bytes=2 * GiB,
+                    adapter_per_device=True,
                     calibration=H200_CALIBRATION.scaled("A100 SXM", peaks("A100")["bf16"], 2.039 / 4.8))
     h200 = Hardware("H200 SXM 141GB", peaks("H200"), hbm_bytes=141e9,
                     devices_per_node=8, intra=Link(5e-6, 450e9), inter=Link(10e-6, 50e9), reserved_bytes=2 * GiB,
+                    adapter_per_device=True,
                     calibration=H200_CALIBRATION)
     sizes = (4096.0, 65536.0, 1048576.0, 16777216.0, 67108864.0)  # collectives.json: 4 KiB-64 MiB
 

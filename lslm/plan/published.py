@@ -20,8 +20,9 @@ paper's throughput is turned into seconds per step with the paper's own flop cou
   (8 % of the flops at 8K) is uncertain by about that much.
 * **torchtitan's benchmarks** (FSDP2, :data:`TORCHTITAN`): ``docs/performance.md`` (Llama 3 8B and 70B, Llama 2 13B
   and 70B on 64 A100, tokens/s per GPU; every row but the "selective layer" ones, a policy not modelled; the file does
-  not state the cluster's network, so each row is also priced at 400 Gb/s per GPU, and the one communication-bound
-  row, Llama 2 70B at local batch 1, is outside the target) and ``benchmarks/llama3_h100_202412_torchtitan.md`` Tables
+  not state the cluster's network: the ``a100-80gb`` preset's one 200 Gb/s adapter per GPU, eight per node, is
+  priced, and each row again at 400 Gb/s per GPU; FSDP's collectives over the 64 GPUs run through all eight adapters
+  of a node at once, :meth:`lslm.plan.hardware.Hardware.link`) and ``benchmarks/llama3_h100_202412_torchtitan.md`` Tables
   1 and 3 (Llama 3.1 8B on 8 and 128 H100 96 GB HBM2e at 500 W, the eager ``FSDP`` rows, tokens/s per GPU, with the
   peak memory they report): step = local batch x sequence (8,192 for Llama 3, 4,096 for Llama 2) tokens / tokens/s per
   GPU; their op-level selective checkpointing is the calculator's ``recompute="op"`` (:mod:`lslm.plan.op_sac`), their
@@ -42,10 +43,11 @@ paper's throughput is turned into seconds per step with the paper's own flop cou
   (:mod:`lslm.plan.op_sac`).
 
 ``error = predicted / published - 1`` on the step time (the throughput's error is ``1/(1 + error) - 1``).
-:func:`validate_published` reports every row, met or not; ``fits`` must be True for each row in the target (they
-trained). No constant is fitted to these rows: what changed a row's prediction is a fact about what it ran
+:func:`validate_published` reports every row, met or not; ``fits`` must be True for each row (they trained). A row
+may be marked outside the target (:attr:`PublishedRun.outside`) with the reason printed beside it; none is now. No constant is fitted to these rows: what changed a row's prediction is a fact about what it ran
 (Megatron-LM's 2021 data parallelism reducing after the backward; Llama 3's one-layer virtual stages; torchtitan's
-eager block, op by op, and its loss).
+eager block, op by op, and its loss) or about the machines (a ring collective spanning nodes runs one ring per
+network adapter of a node: priced at one adapter's rate, Llama 2 70B at local batch 1 was +89.5 %).
 """
 
 from __future__ import annotations
@@ -194,7 +196,9 @@ def _torchtitan(source: str, hardware: str, gpus: int, local: int, tps: float, m
     attention, the model's sequence (8,192 for Llama 3, ``train_configs/llama3_8b.toml``; 4,096 for Llama 2),
     ``recompute`` (op-level selective by default); step = ``local x sequence`` tokens / TPS per GPU.
     ``memory_gib``: the peak the file reports (GiB), compared with the predicted peak."""
-    if hardware == "a100-80gb" and not what_if:  # docs/performance.md does not state the cluster's network
+    # docs/performance.md does not state the cluster's network: the preset's (one 200 Gb/s adapter per GPU, eight
+    # per node, as in NVIDIA's DGX A100), and again at 400 Gb/s
+    if hardware == "a100-80gb" and not what_if:
         what_if = (("at 400 Gb/s per GPU between nodes (the preset: 200)", A100_400G),)
     base = model_presets()["llama3-8b"] if model is None else model
     model = dataclasses.replace(base.with_batch(micro_batch=local, global_batch=local * gpus), loss="torchtitan",
@@ -223,13 +227,6 @@ _TT_H100 = ("the file's own facts (its Hardware section, footnote 2): H100s with
             "reserved (max_reserved_gib), set beside the H200 runs' measured reserved / allocated range")
 
 
-_TT_A100_NETWORK = ("communication-bound: with one 4,096-token micro-batch per GPU, each layer's all-gathers (the "
-                    "bf16 weights, forward and backward) and reduce-scatter (the fp32 gradients) outlast its "
-                    "compute, so the step is the network's. docs/performance.md does not state the A100 "
-                    "cluster's network: the a100-80gb preset's 25 GB/s (200 Gb/s) per GPU between nodes is "
-                    "priced, and every A100 row is priced again at 400 Gb/s. The same table's local batch 2 "
-                    "(full checkpointing) has twice the compute per gather, hides the traffic at either rate, "
-                    "and is in the target")
 _TT_H100_NVL = ("at the NVL's 835.5 Tflop/s, the other end of the file's 'between SXM and NVL'",
                 TORCHTITAN_H100_NVL_PEAK)
 _TT_DOCS = "torchtitan performance.md, "
@@ -246,7 +243,7 @@ TORCHTITAN: tuple[PublishedRun, ...] = (
                 recompute="none"),
     _torchtitan(_TT_DOCS + "Llama 2 13B, 64 A100, op AC", "a100-80gb", 64, 2, 1904, model=LLAMA2_13B),
     _torchtitan(_TT_DOCS + "Llama 2 70B, 64 A100, op AC", "a100-80gb", 64, 1, 355,
-                model=model_presets()["llama2-70b"], outside=_TT_A100_NETWORK),
+                model=model_presets()["llama2-70b"]),
     _torchtitan(_TT_DOCS + "Llama 2 70B, 64 A100, full AC", "a100-80gb", 64, 2, 353,
                 model=model_presets()["llama2-70b"], recompute="full"),
     _torchtitan("torchtitan h100_202412 Table 1, 8B FSDP, 8 GPUs", TORCHTITAN_H100, 8, 2, 5762,
