@@ -7,7 +7,11 @@ link it runs on (:meth:`lslm.plan.hardware.Hardware.link`). Its time is the alph
 critical path, ``a alpha + b S beta`` per call (``2(n - 1)`` messages and ``2(n-1)/n S`` bytes for a ring
 all-reduce; ``n - 1`` and ``(n-1)/n S`` for all-gather and reduce-scatter; 1 and ``S`` for a send), or, where
 the link carries a measured table of that collective at that group size whose sizes bracket ``S``, the table
-read at ``S`` (:attr:`lslm.plan.hardware.Link.measured`: the ``cpu-box`` preset's gloo collectives).
+read at ``S`` (:attr:`lslm.plan.hardware.Link.measured`: the ``cpu-box`` preset's gloo collectives). A ring
+collective whose group spans nodes runs through the network adapters of all its ranks on a node at once
+(:meth:`lslm.plan.hardware.Hardware.link` with the group's ranks per node: FSDP over whole nodes gets eight
+adapters' bandwidth, a data-parallel group beside ``tp = 8`` one); point-to-point sends, the pipeline's and the
+context-parallel ring's, get one adapter.
 
 * **dp** (``dp · cp`` ranks; Rajbhandari et al. 2020 §7): stage 0 all-reduces the gradients (``2Ψ`` elements
   through each rank); stages 1-2 reduce-scatter the gradients and all-gather the updated parameters (``Ψ + Ψ``,

@@ -20,13 +20,13 @@ paper's throughput is turned into seconds per step with the paper's own flop cou
   (8 % of the flops at 8K) is uncertain by about that much.
 * **torchtitan's benchmarks** (FSDP2, :data:`TORCHTITAN`): ``docs/performance.md`` (Llama 3 8B and 70B, Llama 2 13B
   and 70B on 64 A100, tokens/s per GPU; every row but the "selective layer" ones, a policy not modelled; the file does
-  not state the cluster's network: the ``a100-80gb`` preset's one 200 Gb/s adapter per GPU, eight per node, is
-  priced, and each row again at 400 Gb/s per GPU; FSDP's collectives over the 64 GPUs run through all eight adapters
-  of a node at once, :meth:`lslm.plan.hardware.Hardware.link`) and ``benchmarks/llama3_h100_202412_torchtitan.md`` Tables
-  1 and 3 (Llama 3.1 8B on 8 and 128 H100 96 GB HBM2e at 500 W, the eager ``FSDP`` rows, tokens/s per GPU, with the
-  peak memory they report): step = local batch x sequence (8,192 for Llama 3, 4,096 for Llama 2) tokens / tokens/s per
-  GPU; their op-level selective checkpointing is the calculator's ``recompute="op"`` (:mod:`lslm.plan.op_sac`), their
-  loss ``ModelSpec.loss="torchtitan"`` (the logits deleted before the backward; :mod:`lslm.plan.activations`), and the
+  not state the cluster's network: the ``a100-80gb`` preset's one 200 Gb/s adapter per GPU, eight per node, is priced,
+  and each row again at 400 Gb/s per GPU; FSDP's collectives over the 64 GPUs run through all eight adapters of a node
+  at once, :meth:`lslm.plan.hardware.Hardware.link`) and ``benchmarks/llama3_h100_202412_torchtitan.md`` Tables 1 and
+  3 (Llama 3.1 8B on 8 and 128 H100 96 GB HBM2e at 500 W, the eager ``FSDP`` rows, tokens/s per GPU, with the peak
+  memory they report): step = local batch x sequence (8,192 for Llama 3, 4,096 for Llama 2) tokens / tokens/s per GPU;
+  their op-level selective checkpointing is the calculator's ``recompute="op"`` (:mod:`lslm.plan.op_sac`), their loss
+  ``ModelSpec.loss="torchtitan"`` (the logits deleted before the backward; :mod:`lslm.plan.activations`), and the
   predicted peak (tensor bytes) is printed beside the reported one (the allocator's reserved maximum) and, in
   ``--validate``, beside the prediction times the reserved / allocated range measured on the H200 runs
   (:func:`lslm.plan.validate_memory.reserved_ratio_range`). The H100 file says its GPUs' peak is unknown ("between SXM
@@ -44,10 +44,11 @@ paper's throughput is turned into seconds per step with the paper's own flop cou
 
 ``error = predicted / published - 1`` on the step time (the throughput's error is ``1/(1 + error) - 1``).
 :func:`validate_published` reports every row, met or not; ``fits`` must be True for each row (they trained). A row
-may be marked outside the target (:attr:`PublishedRun.outside`) with the reason printed beside it; none is now. No constant is fitted to these rows: what changed a row's prediction is a fact about what it ran
-(Megatron-LM's 2021 data parallelism reducing after the backward; Llama 3's one-layer virtual stages; torchtitan's
-eager block, op by op, and its loss) or about the machines (a ring collective spanning nodes runs one ring per
-network adapter of a node: priced at one adapter's rate, Llama 2 70B at local batch 1 was +89.5 %).
+may be marked outside the target (:attr:`PublishedRun.outside`), its reason printed beside it; none is now. No
+constant is fitted to these rows: what changed a row's prediction is a fact about what it ran (Megatron-LM's 2021
+data parallelism reducing after the backward; Llama 3's one-layer virtual stages; torchtitan's eager block, op by
+op, and its loss) or about the machines (a ring collective spanning nodes runs one ring per network adapter of a
+node: priced at one adapter's rate, Llama 2 70B at local batch 1 was +89.5 %).
 """
 
 from __future__ import annotations
