@@ -3,8 +3,10 @@
 A device has a peak rate per precision (flop/s), ``hbm_bytes`` of memory of which ``reserved_bytes`` are not
 the model's (runtime context, allocator slack, library workspaces: an editable assumption), and
 ``devices_per_node`` peers on the fast intra-node link; groups that span nodes run at the inter-node link's
-cost. Each link is Hockney's alpha-beta model (:class:`lslm.metrics.step_time.LinkCost`): ``alpha`` seconds per
-message, ``1/bandwidth`` seconds per byte, per direction, per device.
+cost: on the GPU presets one network adapter per device, which a ring collective uses for each of its ranks on a
+node at once (:meth:`Hardware.link`). Each link is Hockney's alpha-beta model
+(:class:`lslm.metrics.step_time.LinkCost`): ``alpha`` seconds per message, ``1/bandwidth`` seconds per byte, per
+direction, per device.
 
 The GPU presets are **vendor datasheet figures** (dense tensor-core peaks, link bandwidths per direction); the
 latencies (``alpha``) are our assumptions. Nothing here was measured on those GPUs: edit any field
