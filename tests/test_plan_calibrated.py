@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +16,14 @@ from lslm.plan.memory import stage_params
 from lslm.plan.model import ModelSpec
 from lslm.plan.published import PUBLISHED_TOLERANCE, validate_published
 from lslm.plan.validate_gpu import GPU_TIME_TOLERANCE, validate_gpu
-from lslm.plan.validate_memory import MEMORY_TOLERANCE, load_gpu_rows, recompute_rows, reserved_ratio_range
+from lslm.plan.validate_memory import (
+    GPU_FILES,
+    MEMORY_TOLERANCE,
+    load_gpu_rows,
+    recompute_file,
+    recompute_rows,
+    reserved_ratio_range,
+)
 
 GPU = Path(__file__).resolve().parents[1] / "bench" / "results" / "gpu"
 
@@ -54,7 +62,7 @@ def test_single_gpu_step_times_and_peaks_are_what_the_module_reports():
     assert sum(not r["in_target"] for r in rows) == 2
 
 
-def test_recompute_runs_that_recorded_their_dtypes_are_judged_by_them():
+def test_recompute_runs_that_recorded_their_dtypes_are_judged_by_them(tmp_path):
     """A gpu-check record (lslm.bench.calibrate.gpt_recompute) carries the dtypes its replays ran in: a full run
     whose matmuls were all bf16 is in the target; one with fp32 flops is out, with the share it recorded."""
     shared = json.loads((GPU / "h200_recompute_2026-11-28.json").read_text())
@@ -70,6 +78,24 @@ def test_recompute_runs_that_recorded_their_dtypes_are_judged_by_them():
     assert all("75% of its matmul flops ran in fp32" in r["outside"] for r in fp32 if not r["in_target"])
     old = validate_gpu(load_gpu_rows(GPU))  # the committed file recorded nothing: measured before the fix
     assert all("before replays re-entered autocast" in r["outside"] for r in old if not r["in_target"])
+    # a newer gpu-check record of an H200 that measured every run replaces the 2026-11-28 file; dry runs and runs
+    # with a failed size do not
+    folder = tmp_path / "gpu"
+    folder.mkdir()
+    for name in GPU_FILES:
+        shutil.copy(GPU / name, folder / name)
+    assert recompute_file(folder).name == GPU_FILES[0]
+    good = dict(record({"bfloat16": 3}), date="2026-12-01", dry_run=False)
+    good["recompute"] = good["recompute"][:-1]  # no failed size
+    (folder / "gpu-check_h200_2026-12-01_calibrate-recompute.json").write_text(json.dumps(good))
+    (folder / "gpu-check_h200_2026-12-02.json").write_text(json.dumps(dict(good, date="2026-12-02", dry_run=True)))
+    (folder / "gpu-check_h200_2026-12-03.json").write_text(json.dumps(dict(record({"bfloat16": 3}), date="2026-12-03",
+                                                                          dry_run=False)))
+    newest = "gpu-check_h200_2026-12-01_calibrate-recompute.json"
+    assert recompute_file(folder).name == newest
+    loaded = load_gpu_rows(folder)
+    assert {r["file"] for r in loaded if r["source"] == "recompute"} == {newest}
+    assert all(r["in_target"] for r in validate_gpu(loaded))
     with pytest.raises(ValueError, match="measured on 'NVIDIA A100"):
         recompute_rows({"device": "NVIDIA A100-SXM4-80GB", "rows": []})
     with pytest.raises(ValueError, match="no recomputation runs"):

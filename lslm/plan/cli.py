@@ -147,7 +147,8 @@ def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 print(f"(memory against the H200 runs not shown: {exc})")
                 return 0
             print("the calculator (mixed='autocast', flash attention) against lslm's GPT on one H200, bf16 autocast: "
-                  "peak and states before the forward (memory_allocated)")
+                  "peak and states before the forward (memory_allocated); files: "
+                  + ", ".join(sorted({r["file"] for r in gpu})))
             print(format_memory_validation(validate_memory(gpu)))
             print()
             print("the calculator (h200 preset: GEMM, attention and AdamW efficiencies measured on one H200) against "

@@ -45,25 +45,41 @@ from lslm.plan.layout import Layout
 from lslm.plan.memory import stage_memory
 from lslm.plan.model import ModelSpec
 
-__all__ = ["GPU_FILES", "MEMORY_TOLERANCE", "format_memory_validation", "load_gpu_rows", "recompute_rows",
-           "reserved_ratio_range", "validate_memory"]
+__all__ = ["GPU_FILES", "MEMORY_TOLERANCE", "format_memory_validation", "load_gpu_rows", "recompute_file",
+           "recompute_rows", "reserved_ratio_range", "validate_memory"]
 
 GPU_FILES = ("h200_recompute_2026-11-28.json", "h200_2026-11-28.json")
 MEMORY_TOLERANCE = 0.10  #: the issue's target: peak memory within 10 % per run
 
 
+def recompute_file(folder: str | Path) -> Path:
+    """The recomputation runs :func:`load_gpu_rows` reads under ``folder``: the newest ``lslm gpu-check`` record
+    of an H200 (``gpu-check_h200_<date>*.json``, not a dry run) whose ``recompute`` step measured every run
+    (:func:`lslm.bench.calibrate.gpt_recompute`, replays under autocast), else ``GPU_FILES[0]``, the shared runs
+    of 2026-11-28 (whose full-recomputation replays ran in fp32)."""
+    found = []
+    for path in Path(folder).glob("gpu-check_h200_*.json"):
+        data = json.loads(path.read_text())
+        runs = data.get("recompute")
+        if data.get("dry_run") or not isinstance(runs, list) or not runs or any("error" in r for r in runs):
+            continue
+        found.append((str(data.get("date", "")), path.name, path))
+    return max(found)[2] if found else Path(folder) / GPU_FILES[0]
+
+
 def load_gpu_rows(folder: str | Path) -> list[dict[str, Any]]:
-    """The runs of :data:`GPU_FILES` under ``folder`` (``bench/results/gpu``), each with a ``source`` label:
-    every row of the recompute file, then the eager rows of the other's ``gpt`` table."""
+    """The runs under ``folder`` (``bench/results/gpu``), each with a ``source`` label and its ``file``: every
+    recomputation run of :func:`recompute_file`, then the eager rows of ``GPU_FILES[1]``'s ``gpt`` table."""
     folder = Path(folder)
     missing = [name for name in GPU_FILES if not (folder / name).is_file()]
     if missing:
         raise ValueError(f"{folder} lacks {', '.join(missing)}: copy them from the project's shared GPU data "
                          "(../shared/gpu/) or pass the folder that holds them")
-    recompute = json.loads((folder / GPU_FILES[0]).read_text())
+    source = recompute_file(folder)
+    recompute = json.loads(source.read_text())
     table = json.loads((folder / GPU_FILES[1]).read_text())
-    rows = [dict(r, source="recompute") for r in recompute_rows(recompute, GPU_FILES[0])]
-    rows += [dict(r, source="gpt", recompute="none") for r in table["gpt"]
+    rows = [dict(r, source="recompute", file=source.name) for r in recompute_rows(recompute, source.name)]
+    rows += [dict(r, source="gpt", recompute="none", file=GPU_FILES[1]) for r in table["gpt"]
              if not r.get("compiled") and "mem_peak_bytes" in r]
     return rows
 
