@@ -2,7 +2,8 @@
 
 Two committed artifacts (``bench/results/gpu/``, copies of the project's shared GPU data, measured by
 ``calibrate.py`` there with torch 2.11 + CUDA 13.0): ``h200_recompute_2026-11-28.json`` (407M and 1.4B parameters,
-recomputation none / selective / full) and the eager rows of ``gpt`` in ``h200_2026-11-28.json`` (124M to 2.7B).
+recomputation none / selective / full; superseded by the newest ``lslm gpu-check`` record of an H200 that measured
+them again, :func:`recompute_file`) and the eager rows of ``gpt`` in ``h200_2026-11-28.json`` (124M to 2.7B).
 Every run: lslm's GPT (untied head, biases, no dropout, ``block_size`` = the sequence), one micro-batch per step
 on one GPU, ``torch.autocast("cuda", torch.bfloat16)`` over fp32 weights, flash attention through
 ``F.scaled_dot_product_attention``, fused AdamW, ``zero_grad(set_to_none=True)``, the logits kept by the caller
