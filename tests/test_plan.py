@@ -309,12 +309,15 @@ def test_estimate_traces_every_number_and_finds_the_bound_axes() -> None:
     assert est.fits and est.microbatches == 96
     assert all(formula for _, _, _, formula in est.table())
     assert {v.axis for v in est.verdicts} == {"dp", "tp", "pp"} and est.comm["cp"].collectives == ()
-    # The same layout with tensor parallelism across nodes (tp = 16 > 8 devices per node) is tp-bound.
-    wide = estimate(gpt3, Layout(dp=8, tp=16, pp=8, zero=1, sequence_parallel=True, recompute="selective"), H100,
-                    1024)
-    assert next(v for v in wide.verdicts if v.axis == "tp").comm_bound
-    # its rings hold 8 ranks of each node: 8 adapters' bandwidth, still far below NVLink's
+    # The same layout with tensor parallelism across nodes (tp = 16 > 8 devices per node): its rings hold 8 ranks of
+    # each node, so they run through 8 adapters (400 GB/s, near NVLink's 450) and the layer's traffic more than
+    # doubles against less compute per rank; through one adapter per node it is tp-bound.
+    wide_layout = Layout(dp=8, tp=16, pp=8, zero=1, sequence_parallel=True, recompute="selective")
+    wide = estimate(gpt3, wide_layout, H100, 1024)
     assert wide.comm["tp"].link.bandwidth_Bps == 8 * H100.inter.bandwidth_Bps and est.comm["tp"].link == H100.intra
+    assert wide.comm["tp"].time_s > 2 * est.comm["tp"].time_s
+    one_adapter = estimate(gpt3, wide_layout, dataclasses.replace(H100, adapter_per_device=False), 1024)
+    assert next(v for v in one_adapter.verdicts if v.axis == "tp").comm_bound
     # Bubble: (p - 1)/(v m) of the compute.
     assert est.times["bubble"].value == pytest.approx(est.times["compute"].value * 7 / 96)
 

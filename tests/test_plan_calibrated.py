@@ -234,3 +234,29 @@ def test_precision_semantics_are_explicit():
     h, f = 1024, 4096  # autocast: fp32 residual (2 norms 16h, 2 adds 24h), 2 casts 12h; masters: all half
     assert elementwise_bytes(model, autocast)[0] == 16 * h + 24 * h + 12 * h + 2 * 2 * f + 4 * h
     assert elementwise_bytes(model, masters)[0] == 8 * h + 12 * h + 2 * 2 * f + 4 * h
+
+
+def test_unfused_attention_is_its_matmuls_and_its_passes_over_the_scores():
+    """Without flash attention the core is priced as Megatron-LM ran it: the whole s x s square's two matmuls, and the
+    scale-mask-softmax and dropout passes over every score at the streaming rate, counted by hand here."""
+    from lslm.plan.calibrated import microbatch_times, unfused_attention_seconds
+
+    spec = ModelSpec(2, 1024, 16, 50304, 2048, micro_batch=4, global_batch=4, dropout=True)
+    cal, peak = H200_CALIBRATION, H200_CALIBRATION.peak_flops
+    rate = cal.attention_efficiency(2048, 64) * peak
+    for layout, e in ((Layout(tp=2, precision="bf16"), 2), (Layout(tp=2, mixed="autocast"), 4)):
+        scores = 4 * (16 / 2) * 2048 * 2048
+        matmul = 4 * 4 * 2048**2 * 1024 / 2 / rate
+        fwd, bwd = unfused_attention_seconds(spec, layout, rate, cal.hbm_Bps)
+        assert fwd == pytest.approx(matmul + scores * (4 * e + 1) / cal.hbm_Bps)
+        assert bwd == pytest.approx(2 * matmul + scores * (5 * e + 1) / cal.hbm_Bps)
+    no_dropout = replace(spec, dropout=False)
+    fwd, bwd = unfused_attention_seconds(no_dropout, Layout(precision="bf16"), rate, cal.hbm_Bps)
+    assert fwd == pytest.approx(4 * 4 * 2048**2 * 1024 / rate + 4 * 16 * 2048**2 * 4 / cal.hbm_Bps)
+    # selective recomputation replays the forward of the core; flash attention costs less than the unfused core
+    for recompute, replays in (("none", 0), ("selective", 1)):
+        t = microbatch_times(spec, Layout(precision="bf16", recompute=recompute), cal, 2, head=False)
+        f, b = unfused_attention_seconds(spec, Layout(precision="bf16"), rate, cal.hbm_Bps)
+        assert t.attention == pytest.approx(2 * (f + b + replays * f))
+    flash = microbatch_times(spec, Layout(precision="bf16", flash_attention=True), cal, 2, head=False)
+    assert flash.attention < microbatch_times(spec, Layout(precision="bf16"), cal, 2, head=False).attention

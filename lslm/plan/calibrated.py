@@ -11,9 +11,14 @@ its own rate (:mod:`lslm.plan.gpu_calibration`), per device (``t`` tensor-parall
   (``h x h/t``), ``fc1`` (``f/t x h``), ``fc2`` (``h x f/t``); Llama the same with ``qkv`` of
   ``(h + 2 n_kv d)/t`` outputs and two ``fc1``-kind GEMMs (gate, up). The head (``V/t x h``) as ``fc1``.
 * **Attention** as causal flash attention: ``3.5 x 2 b s^2 h / (t c)`` flops forward + backward at the measured
-  efficiency for the sequence ``s/c`` and the head dimension. Layouts without flash attention
-  (``Layout.flash_attention = False``: Megatron's unfused softmax) are priced the same way: an optimistic
-  assumption for them.
+  efficiency for the sequence ``s/c`` and the head dimension. Without flash attention
+  (``Layout.flash_attention = False``: Megatron-LM's attention of 2021-22) the core is two batched matmuls over
+  the whole ``s x s`` square, ``4 b s^2 h / (t c)`` flops forward and twice that backward, priced at the same
+  measured efficiency (an assumption: no unfused attention was measured), plus the passes over the
+  ``b (a/t) (s/c) s`` scores at ``hbm_Bps`` (:func:`unfused_attention_seconds`): forward the fused
+  scale-mask-softmax (read and write: ``2e`` bytes per score) and dropout (read, write, a 1-byte mask: ``2e + 1``),
+  backward dropout's (``2e + 1``) and softmax's (``3e``); ``e`` = 2 in half precision, 4 in fp32 or under
+  autocast (whose softmax outputs fp32). A GEMM's own reads and writes of the scores are inside its time.
 * **Memory-bound elementwise work** at ``hbm_Bps``, bytes counted per token (:func:`elementwise_bytes`): per layer
   forward, with ``e = 2``: two norms (read + write their input width ``w``: ``2 w h`` each), two residual adds
   (``3 w h`` each), the activation (GELU: read and write ``f`` half elements, ``2 e f``; SwiGLU: read two, write
@@ -58,7 +63,7 @@ from lslm.plan.model import ModelSpec
 from lslm.plan.op_sac import op_recomputed_gemms
 
 __all__ = ["LOSS_BYTES_PER_LOGIT", "MicrobatchTimes", "elementwise_bytes", "layer_gemms", "microbatch_times",
-           "optimizer_bytes", "optimizer_seconds", "torchtitan_layer_bytes"]
+           "optimizer_bytes", "optimizer_seconds", "torchtitan_layer_bytes", "unfused_attention_seconds"]
 
 LOSS_BYTES_PER_LOGIT = 36  #: bytes the loss streams per token and vocabulary entry, forward + backward (module doc)
 
@@ -127,8 +132,12 @@ def microbatch_times(model: ModelSpec, layout: Layout, cal: GpuCalibration, laye
     peak = cal.peak_flops if peak is None else peak
     fwd_gemm = sum(2 * tokens * n * k / (cal.gemm_efficiency(kind, tokens, n, k) * peak)
                    for kind, n, k in layer_gemms(model, t))
-    attn = 3.5 * 2 * model.micro_batch * model.seq_len ** 2 * model.hidden / (t * c) / (
-        cal.attention_efficiency(model.seq_len / c, model.head_dim) * peak)
+    attn_eff = cal.attention_efficiency(model.seq_len / c, model.head_dim) * peak
+    if layout.flash_attention:
+        attn = 3.5 * 2 * model.micro_batch * model.seq_len ** 2 * model.hidden / (t * c) / attn_eff
+        attn_fwd, attn_bwd = attn / 3.5, attn * 2.5 / 3.5
+    else:
+        attn_fwd, attn_bwd = unfused_attention_seconds(model, layout, attn_eff, cal.hbm_Bps)
     per_token, loss_per_token = elementwise_bytes(model, layout)
     bwd_cast = 0.0
     if model.kernels == "torchtitan":
@@ -147,13 +156,14 @@ def microbatch_times(model: ModelSpec, layout: Layout, cal: GpuCalibration, laye
     if layout.recompute == "op":  # the matmuls whose outputs torchtitan's policy does not keep
         recompute_gemm = sum(2 * tokens * n * k / (cal.gemm_efficiency(kind, tokens, n, k) * peak)
                              for kind, n, k in op_recomputed_gemms(model, t))
-    recompute_attn = {"none": 0.0, "selective": attn / 3.5, "full": attn / 3.5, "op": 0.0}[layout.recompute]
+    recompute_attn = attn_fwd if layout.recompute in ("selective", "full") else 0.0
     recompute_ew = fwd_ew if layout.recompute in ("full", "op") else 0.0
+    attn = attn_fwd + attn_bwd
     layer = 3 * fwd_gemm + recompute_gemm + attn + recompute_attn + fwd_ew + bwd_ew + bwd_cast + recompute_ew
     gemm = layers * (3 * fwd_gemm + recompute_gemm)
     attention = layers * (attn + recompute_attn)
     elementwise = layers * (fwd_ew + bwd_ew + bwd_cast + recompute_ew)
-    backward = layers * (2 * fwd_gemm + attn * 2.5 / 3.5 + bwd_ew + bwd_cast)
+    backward = layers * (2 * fwd_gemm + attn_bwd + bwd_ew + bwd_cast)
     if head:
         v = -(-model.vocab // t)
         head_fwd = 2 * tokens * v * model.hidden / (cal.gemm_efficiency("fc1", tokens, v, model.hidden) * peak)
@@ -162,6 +172,24 @@ def microbatch_times(model: ModelSpec, layout: Layout, cal: GpuCalibration, laye
         elementwise += loss
         backward += 2 * head_fwd + loss * 2 / 3
     return MicrobatchTimes(gemm, attention, elementwise, layer, backward)
+
+
+def unfused_attention_seconds(model: ModelSpec, layout: Layout, matmul_flops_per_s: float,
+                              hbm_Bps: float) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's attention core without a flash kernel, on one device (module
+    doc): its two batched matmuls over the whole ``s x s`` square (the causal mask applied after), ``4 b s^2 h``
+    flops forward and twice that backward, at ``matmul_flops_per_s``; and the scores' elementwise passes at
+    ``hbm_Bps``, per score ``e`` bytes wide (2 in half precision, 4 in fp32 or under autocast, whose softmax
+    outputs fp32) and with a 1-byte dropout mask: forward the fused scale-mask-softmax (read, write) and dropout
+    (read, write, mask), ``4e + 1``; backward dropout's (read, mask, write) and softmax's (read the gradient and
+    the probabilities, write), ``5e + 1``; without dropout ``2e`` and ``3e``."""
+    t, c = layout.tp, layout.cp
+    scores = model.micro_batch * (model.n_head / t) * (model.seq_len / c) * model.seq_len
+    e = 4 if layout.precision == "fp32" or layout.mixed == "autocast" else 2
+    mask = 1 if model.dropout else 0
+    fwd_bytes, bwd_bytes = (4 * e + mask, 5 * e + mask) if model.dropout else (2 * e, 3 * e)
+    matmul = 4 * model.micro_batch * model.seq_len ** 2 * model.hidden / (t * c) / matmul_flops_per_s
+    return matmul + scores * fwd_bytes / hbm_Bps, 2 * matmul + scores * bwd_bytes / hbm_Bps
 
 
 def optimizer_bytes(layout: Layout) -> int:

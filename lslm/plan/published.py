@@ -46,8 +46,9 @@ paper's throughput is turned into seconds per step with the paper's own flop cou
 :func:`validate_published` reports every row, met or not; ``fits`` must be True for each row (they trained). A row
 may be marked outside the target (:attr:`PublishedRun.outside`), its reason printed beside it; none is now. No
 constant is fitted to these rows: what changed a row's prediction is a fact about what it ran (Megatron-LM's 2021
-data parallelism reducing after the backward; Llama 3's one-layer virtual stages; torchtitan's eager block, op by
-op, and its loss) or about the machines (a ring collective spanning nodes runs one ring per network adapter of a
+data parallelism reducing after the backward; Megatron-LM's attention of 2021-22, unfused, its softmax and dropout
+passing over every score; Llama 3's one-layer virtual stages; torchtitan's eager block, op by op, and its loss) or
+about the machines (a ring collective spanning nodes runs one ring per network adapter of a
 node: priced at one adapter's rate, Llama 2 70B at local batch 1 was +89.5 %).
 """
 
@@ -104,7 +105,9 @@ def _narayanan(n_layer: int, hidden: int, heads: int, t: int, p: int, gpus: int,
     return PublishedRun(f"Narayanan 2021 Table 1, {name}", "a100-80gb", model, layout,
                         f"{tflops:g} Tflop/s per GPU", step,
                         f"micro-batch {micro} and 1F1B (v = 1) assumed (not in the table); full recomputation, fp16 "
-                        "with fp32 masters, no ZeRO, unfused attention (priced as flash); the data-parallel "
+                        "with fp32 masters, no ZeRO, unfused attention (Megatron-LM's fused scale-mask-softmax and "
+                        "dropout over the whole s x s scores: lslm.plan.calibrated.unfused_attention_seconds); the "
+                        "data-parallel "
                         "all-reduce after the backward, not overlapped (Megatron-LM's local DDP of 2021: "
                         "train_step's allreduce_gradients() once the micro-batches are done)" + extra)
 
@@ -117,7 +120,8 @@ def _korthikanti(n_layer: int, hidden: int, heads: int, t: int, p: int, v: int, 
     step = narayanan_flops(model) / (gpus * 312e12 * mfu)
     return PublishedRun(f"Korthikanti 2022 Tables 3 + 5, {name}", "a100-80gb", model, layout, f"MFU {mfu:.1%}",
                         step, f"v = {v} from the paper's interleaving; SP + selective recomputation; no data "
-                        "parallelism; unfused attention (priced as flash)")
+                        "parallelism; unfused attention (its softmax and dropout over the s x s scores: "
+                        "lslm.plan.calibrated.unfused_attention_seconds)")
 
 
 LLAMA3_405B = ModelSpec(126, 16384, 128, 128256, 8192, micro_batch=1, global_batch=2048, n_kv_head=8,
