@@ -735,6 +735,7 @@ def test_ring_collectives_across_nodes_use_every_adapter_of_a_node() -> None:
     a100 = hw["a100-80gb"]
     assert a100.link(8) == a100.intra  # one node
     assert a100.link(64, 8).bandwidth_Bps == 8 * 25e9 and a100.link(64, 1) == a100.inter
+    assert (a100.link(64, 8).adapters, a100.inter.adapters, a100.intra.adapters) == (8, 1, 1)
     assert hw["h100-sxm"].link(64, 8).bandwidth_Bps == 400e9  # 8 x 50 GB/s
     narrow = dataclasses.replace(a100, intra=dataclasses.replace(a100.intra, bandwidth_Bps=150e9))
     assert narrow.link(64, 8).bandwidth_Bps == 150e9  # capped by the intra-node link the rings also cross

@@ -155,6 +155,19 @@ def test_published_runs_errors_and_verdicts(published):
     assert all(r["measured_peak_gib"] is None for r in target if "Narayanan" in r["source"])
 
 
+def test_a_row_set_aside_is_still_printed_and_counted():
+    """PublishedRun.outside keeps a row out of the target with its reason printed, and the last line still counts
+    it among the rows (none is set aside now; a row whose source cannot settle it would be)."""
+    from lslm.plan.published import PUBLISHED, format_published
+
+    aside = dataclasses.replace(PUBLISHED[0], outside="the reason")
+    rows = validate_published((aside, PUBLISHED[1]))
+    assert [r["in_target"] for r in rows] == [False, True]
+    text = format_published(rows)
+    assert "    - outside the target: the reason" in text
+    assert text.splitlines()[-1].startswith("(* beyond 25%) 2 of 2 published runs within 25%, 1 outside the target")
+
+
 def test_published_rows_model_what_was_run():
     from lslm.plan.published import PUBLISHED, published_hardware
 

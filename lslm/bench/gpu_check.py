@@ -153,11 +153,12 @@ def select_steps(steps: list[Step], only: Sequence[str]) -> list[Step]:
     e.g. ``calibrate``), in plan order; ``only`` empty: every step. ValueError naming the choices otherwise."""
     if not only:
         return steps
-    unknown = [o for o in only if not any(s.name == o or s.name.split(":", 1)[0] == o for s in steps)]
+    names = {s.name: {s.name, s.name.split(":", 1)[0]} for s in steps}  # what selects each step
+    unknown = [o for o in only if not any(o in keys for keys in names.values())]
     if unknown:
         raise ValueError(f"--only {','.join(unknown)}: no such step; choose among "
-                         f"{', '.join(s.name for s in steps)} (or a prefix before the colon)")
-    return [s for s in steps if s.name in only or s.name.split(":", 1)[0] in only]
+                         f"{', '.join(names)} (or a prefix before the colon)")
+    return [s for s in steps if names[s.name] & set(only)]
 
 
 def _run_command(step: Step, root: Path) -> None:

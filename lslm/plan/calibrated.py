@@ -132,12 +132,12 @@ def microbatch_times(model: ModelSpec, layout: Layout, cal: GpuCalibration, laye
     peak = cal.peak_flops if peak is None else peak
     fwd_gemm = sum(2 * tokens * n * k / (cal.gemm_efficiency(kind, tokens, n, k) * peak)
                    for kind, n, k in layer_gemms(model, t))
-    attn_eff = cal.attention_efficiency(model.seq_len / c, model.head_dim) * peak
+    attn_rate = cal.attention_efficiency(model.seq_len / c, model.head_dim) * peak  # flop/s
     if layout.flash_attention:
-        attn = 3.5 * 2 * model.micro_batch * model.seq_len ** 2 * model.hidden / (t * c) / attn_eff
+        attn = 3.5 * 2 * model.micro_batch * model.seq_len ** 2 * model.hidden / (t * c) / attn_rate
         attn_fwd, attn_bwd = attn / 3.5, attn * 2.5 / 3.5
     else:
-        attn_fwd, attn_bwd = unfused_attention_seconds(model, layout, attn_eff, cal.hbm_Bps)
+        attn_fwd, attn_bwd = unfused_attention_seconds(model, layout, attn_rate, cal.hbm_Bps)
     per_token, loss_per_token = elementwise_bytes(model, layout)
     bwd_cast = 0.0
     if model.kernels == "torchtitan":
@@ -186,8 +186,7 @@ def unfused_attention_seconds(model: ModelSpec, layout: Layout, matmul_flops_per
     t, c = layout.tp, layout.cp
     scores = model.micro_batch * (model.n_head / t) * (model.seq_len / c) * model.seq_len
     e = 4 if layout.precision == "fp32" or layout.mixed == "autocast" else 2
-    mask = 1 if model.dropout else 0
-    fwd_bytes, bwd_bytes = (4 * e + mask, 5 * e + mask) if model.dropout else (2 * e, 3 * e)
+    fwd_bytes, bwd_bytes = (4 * e + 1, 5 * e + 1) if model.dropout else (2 * e, 3 * e)  # + 1: dropout's mask
     matmul = 4 * model.micro_batch * model.seq_len ** 2 * model.hidden / (t * c) / matmul_flops_per_s
     return matmul + scores * fwd_bytes / hbm_Bps, 2 * matmul + scores * bwd_bytes / hbm_Bps
 

@@ -31,15 +31,10 @@ from lslm.plan.timing import Verdict, model_flops, step_time
 __all__ = ["Estimate", "estimate"]
 
 
-
-def _adapters(hw: Hardware, link: Link) -> str:
+def _adapters(link: Link) -> str:
     """Why an inter-node ring runs faster than one adapter (:meth:`Hardware.link`), or nothing."""
-    if link == hw.intra or link.bandwidth_Bps == hw.inter.bandwidth_Bps:
-        return ""
-    adapters = f"network adapters of {hw.inter.bandwidth_Bps / 1e9:g} GB/s"
-    if link.bandwidth_Bps == hw.intra.bandwidth_Bps:
-        return f" (the group's {adapters} on a node, a ring each, capped at the intra-node link)"
-    return f" ({link.bandwidth_Bps / hw.inter.bandwidth_Bps:g} {adapters}: the group's ranks on a node, a ring each)"
+    return "" if link.adapters == 1 else f" ({link.adapters} network adapters, a ring through each)"
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -123,7 +118,7 @@ class Estimate:
             name = "dp x cp" if axis == "dp" and self.layout.cp > 1 else axis
             rows.append(("communication", f"{name} (group {ax.group})", format_bytes_gb(ax.wire_bytes) + " sent",
                          f"{ax.time_s * 1e3:.3f} ms back to back; link {ax.link.bandwidth_Bps / 1e9:g} GB/s, "
-                         f"alpha {ax.link.alpha_s * 1e6:g} µs" + _adapters(self.hardware, ax.link)))
+                         f"alpha {ax.link.alpha_s * 1e6:g} µs" + _adapters(ax.link)))
             for c in ax.collectives:
                 rows.append(("communication", f"  {c.label}", f"{c.count:g} x {format_bytes_gb(c.payload)}",
                              f"{c.algorithm} on {c.n}: {c.formula}"))

@@ -55,12 +55,16 @@ class Link:
     the fit: a two-parameter fit over four decades of sizes misses the middle of the range (gloo at 4 processes
     on 2 cores: all-gathers of 64 KiB-1 MiB took 2.0-2.6 ms where the fit says about 1.4). Outside the measured
     sizes, and for other group sizes, the fit prices the call. Empty on the GPU presets.
+
+    ``adapters``: how many devices' network adapters the link's bandwidth adds up (:meth:`Hardware.link`: a ring
+    collective across nodes runs one ring per adapter of its ranks on a node); 1 for a single link.
     """
 
     alpha_s: float
     bandwidth_Bps: float
     per_algorithm: tuple[tuple[str, float, float], ...] = ()
     measured: tuple[tuple[str, int, tuple[tuple[float, float], ...]], ...] = ()
+    adapters: int = 1
 
     def __post_init__(self) -> None:
         for entry in self.measured:
@@ -202,7 +206,7 @@ class Hardware:
             return self.intra
         if self.adapter_per_device and per_node > 1:
             bandwidth = min(per_node * self.inter.bandwidth_Bps, self.intra.bandwidth_Bps)
-            return replace(self.inter, bandwidth_Bps=bandwidth)
+            return replace(self.inter, bandwidth_Bps=bandwidth, adapters=per_node)
         return self.inter
 
     def ranks_per_node(self, n: int, stride: int) -> int:

@@ -48,8 +48,8 @@ may be marked outside the target (:attr:`PublishedRun.outside`), its reason prin
 constant is fitted to these rows: what changed a row's prediction is a fact about what it ran (Megatron-LM's 2021
 data parallelism reducing after the backward; Megatron-LM's attention of 2021-22, unfused, its softmax and dropout
 passing over every score; Llama 3's one-layer virtual stages; torchtitan's eager block, op by op, and its loss) or
-about the machines (a ring collective spanning nodes runs one ring per network adapter of a
-node: priced at one adapter's rate, Llama 2 70B at local batch 1 was +89.5 %).
+about the machines (a ring collective spanning nodes runs one ring per network adapter of a node: priced at one
+adapter's rate, Llama 2 70B at local batch 1 was +89.5 %).
 """
 
 from __future__ import annotations
@@ -107,8 +107,7 @@ def _narayanan(n_layer: int, hidden: int, heads: int, t: int, p: int, gpus: int,
                         f"micro-batch {micro} and 1F1B (v = 1) assumed (not in the table); full recomputation, fp16 "
                         "with fp32 masters, no ZeRO, unfused attention (Megatron-LM's fused scale-mask-softmax and "
                         "dropout over the whole s x s scores: lslm.plan.calibrated.unfused_attention_seconds); the "
-                        "data-parallel "
-                        "all-reduce after the backward, not overlapped (Megatron-LM's local DDP of 2021: "
+                        "data-parallel all-reduce after the backward, not overlapped (Megatron-LM's local DDP of 2021: "
                         "train_step's allreduce_gradients() once the micro-batches are done)" + extra)
 
 
